@@ -1,0 +1,139 @@
+"""`mlx-spec`: generate | bench | doctor.
+
+Bad input ends with one line on stderr naming the file, field or flag, and exit
+code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlx_spec.errors import UserError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local directory or Hugging Face repo id")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(args: argparse.Namespace):
+    import mlx.core as mx
+
+    from mlx_spec.sampling import SamplingParams
+
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mlx_spec.generate import Generation, stream_generate
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import encode_prompt, load_tokenizer
+
+    params = _sampling(args)
+    model, path = load_model(args.model, args.revision)
+    tokenizer = load_tokenizer(path)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    ids = encode_prompt(tokenizer, prompt, chat_template=not args.no_chat_template)
+    if not ids:
+        raise UserError("--prompt: the prompt is empty")
+    result = Generation(prompt_tokens=ids)
+    for segment in stream_generate(model, tokenizer, ids, params, args.max_tokens, result):
+        if not args.json:
+            print(segment, end="", flush=True)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "prompt_tokens": len(ids),
+                    "generation_tokens": len(result.tokens),
+                    "prompt_tps": result.prompt_tps,
+                    "generation_tps": result.generation_tps,
+                    "finish_reason": result.finish_reason,
+                }
+            )
+        )
+    else:
+        print()
+        print(
+            f"[{len(ids)} prompt tokens, {result.prompt_tps:.1f} tok/s; "
+            f"{len(result.tokens)} generated, {result.generation_tps:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from mlx_spec.bench import run_bench
+
+    print(run_bench(args))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from mlx_spec.doctor import report
+
+    print(report())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-spec", description="Speculative decoding and distillation for MLX."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streamed)")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True, help="the user's message ('-' reads stdin)")
+    _add_sampling_args(g)
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="decode speed: mlx-spec against mlx-lm, same run")
+    _add_model_args(b)
+    b.add_argument("--prompt", default="Write a short story about a fox.")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--runs", type=int, default=3, help="timed runs of each (the best counts)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("doctor", help="MLX version, backend, BLAS, and how to speed things up")
+    d.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except UserError as e:
+        print(f"mlx-spec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mlx-spec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

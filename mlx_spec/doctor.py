@@ -1,0 +1,50 @@
+"""`mlx-spec doctor`: what MLX runs on here, and how to make it faster."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from mlx_spec import _blas
+
+
+def backend() -> str:
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        name = mx.device_info().get("device_name", "Apple GPU") if hasattr(mx, "device_info") else "Apple GPU"
+        return f"Metal ({name})"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "CUDA"
+    return "CPU"
+
+
+def advice(backend_name: str) -> list[str]:
+    tips = []
+    if sys.platform.startswith("linux") and not _blas.loaded:
+        if _blas.reason.startswith("disabled"):
+            tips.append(f"unset {_blas.DISABLE_ENV} to use OpenBLAS (30-60x faster float32 matmul)")
+        else:
+            tips.append(
+                "install OpenBLAS for 30-60x faster float32 matmul on the CPU: "
+                "sudo apt-get install libopenblas0-pthread (Debian/Ubuntu)"
+            )
+    if backend_name == "CPU":
+        tips.append("the CPU backend computes in float32; an Apple Silicon Mac (Metal) is much faster")
+    return tips
+
+
+def report() -> str:
+    import mlx.core as mx
+
+    name = backend()
+    lines = [
+        f"mlx-spec  {sys.modules['mlx_spec'].__version__}",
+        f"python    {platform.python_version()} ({platform.system()} {platform.machine()})",
+        f"mlx       {mx.__version__}",
+        f"backend   {name}",
+        f"blas      {_blas.describe()}",
+    ]
+    tips = advice(name)
+    lines += [f"tip       {t}" for t in tips] or ["tip       nothing to do: this is as fast as MLX gets here"]
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""Text in, streamed text out: tokenize, run the decoding loop, detokenize."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from mlx_spec.decoding import StepEvent, plain_steps
+from mlx_spec.models.llama import Model
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.tokenizer import TokenizerWrapper
+
+Steps = Callable[[Model, list[int], SamplingParams, int], Iterator[StepEvent]]
+
+
+@dataclass
+class Generation:
+    """What one generation produced, filled in while it streams."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    prompt_time: float = 0.0  # seconds to the first generated token
+    generation_time: float = 0.0  # seconds from the first to the last token
+    finish_reason: str = "length"
+
+    @property
+    def prompt_tps(self) -> float:
+        return len(self.prompt_tokens) / self.prompt_time if self.prompt_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        # The first token is produced by the prompt pass, so it is not counted.
+        n = len(self.tokens) - 1
+        return n / self.generation_time if n > 0 and self.generation_time else 0.0
+
+
+def stream_generate(
+    model: Model,
+    tokenizer: TokenizerWrapper,
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    result: Generation,
+    steps: Steps = plain_steps,
+) -> Iterator[str]:
+    """Yield text segments as they are decoded; `result` collects tokens and timings."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+    start = time.perf_counter()
+    first = None
+    for event in steps(model, prompt, params, max_tokens):
+        now = time.perf_counter()
+        if first is None:
+            first = now
+            result.prompt_time = now - start
+        done = False
+        for token in event.tokens:
+            if token in tokenizer.eos_token_ids:
+                result.finish_reason = "stop"
+                done = True
+                break
+            result.tokens.append(token)
+            detok.add_token(token)
+            if len(result.tokens) == max_tokens:
+                done = True
+                break
+        result.generation_time = now - first
+        segment = detok.last_segment
+        if segment:
+            yield segment
+        if done:
+            break
+    detok.finalize()
+    if detok.last_segment:
+        yield detok.last_segment
+    result.text = detok.text
+    mx.clear_cache()

@@ -1,0 +1,55 @@
+"""Resolving a local directory or a Hugging Face Hub repo id to a local path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from mlx_spec.errors import UserError
+
+MODEL_PATTERNS = (
+    "*.json",
+    "model*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+)
+
+
+def resolve(
+    path_or_repo: str,
+    revision: str | None = None,
+    allow_patterns: Sequence[str] = MODEL_PATTERNS,
+) -> Path:
+    """A local directory as is; otherwise a Hub snapshot (downloaded or cached).
+
+    Honours HF_HUB_OFFLINE and the Hugging Face cache (HF_HOME, HF_HUB_CACHE).
+    """
+    local = Path(path_or_repo).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise UserError(f"{path_or_repo}: expected a directory holding config.json")
+    if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
+        raise UserError(f"{path_or_repo}: no such directory, and not a Hub repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        return Path(
+            snapshot_download(path_or_repo, revision=revision, allow_patterns=list(allow_patterns))
+        )
+    except hf_errors.LocalEntryNotFoundError:
+        raise UserError(
+            f"{path_or_repo}: not in the Hugging Face cache and the Hub cannot be reached "
+            "(offline: HF_HUB_OFFLINE is set or there is no network); download it once online"
+        ) from None
+    except hf_errors.RepositoryNotFoundError:
+        raise UserError(f"{path_or_repo}: no such repo on the Hugging Face Hub (or it is private)") from None
+    except hf_errors.RevisionNotFoundError:
+        raise UserError(f"{path_or_repo}: revision '{revision}' not found (--revision)") from None
+    except hf_errors.HFValidationError as e:
+        raise UserError(f"{path_or_repo}: not a valid Hub repo id ({e})") from None
+    except (OSError, hf_errors.HfHubHTTPError) as e:
+        raise UserError(f"{path_or_repo}: download from the Hub failed: {e}".splitlines()[0]) from None

@@ -1,0 +1,155 @@
+"""Llama, Mistral, Qwen2 and Qwen3: one decoder, with config switches.
+
+Parameter names are the Hugging Face checkpoint names, so a checkpoint loads
+without renaming. The forward follows mlx-spec's target contract:
+
+    logits, hidden = model(tokens, cache, positions=None, mask=None,
+                           capture=(), exit_layer=None)
+
+- `positions` `[B, S]` or `[S]`: per-token RoPE positions (tree nodes share
+  depths); default: the cache offset onwards.
+- `mask`: boolean, True = attend, broadcastable to `[B, 1, S, cached + S]`;
+  default causal.
+- `capture`: indices into Hugging Face's `hidden_states`: 0 is the embedding
+  output, i is the output of layer i - 1 (the input of layer i), and
+  `num_hidden_layers` is the last layer's output before the final norm.
+  `hidden` holds one `[B, S, H]` array per index, in order.
+- `exit_layer=E`: run layers 0..E-1, then the final norm and LM head (LayerSkip).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_spec.cache import KVCache, make_cache
+from mlx_spec.models.config import ModelArgs
+from mlx_spec.models.rope import RoPE
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = D = args.head_dim
+        self.scale = D**-0.5
+        hidden = args.hidden_size
+        self.q_proj = nn.Linear(hidden, self.n_heads * D, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * D, hidden, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.rope = rope
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | str | None,
+        cache: KVCache | None,
+        positions: mx.array | None,
+    ) -> mx.array:
+        B, S, _ = x.shape
+        q = self.q_proj(x).reshape(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
+        k = self.k_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if positions is None:
+            offset = cache.offset if cache is not None else 0
+            q = self.rope(q.transpose(0, 2, 1, 3), offset)  # [B, H, S, D]
+            k = self.rope(k.transpose(0, 2, 1, 3), offset)
+        else:
+            q = self.rope.at_positions(q, positions).transpose(0, 2, 1, 3)
+            k = self.rope.at_positions(k, positions).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)  # [B, H_kv, cached + S, D]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        self.self_attn = Attention(args, rope)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, mask, cache, positions) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, rope) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def make_cache(self, capacity: int = 0) -> list[KVCache]:
+        return make_cache(len(self.layers), capacity)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Final norm and LM head: `[B, S, H] -> [B, S, V]`."""
+        h = self.model.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: Sequence[KVCache] | None = None,
+        positions: mx.array | None = None,
+        mask: mx.array | None = None,
+        capture: Sequence[int] = (),
+        exit_layer: int | None = None,
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        n_layers = len(self.layers) if exit_layer is None else exit_layer
+        if not 0 < n_layers <= len(self.layers):
+            raise ValueError(f"exit_layer must be in 1..{len(self.layers)}, got {exit_layer}")
+        if any(not 0 <= i <= n_layers for i in capture):
+            raise ValueError(f"capture indices must be in 0..{n_layers}, got {list(capture)}")
+        h = self.model.embed_tokens(tokens)  # [B, S, H]
+        if mask is None and tokens.shape[1] > 1:
+            mask = "causal"
+        states = {0: h}
+        for i in range(n_layers):
+            h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions)
+            states[i + 1] = h
+        return self.head(h), tuple(states[i] for i in capture)

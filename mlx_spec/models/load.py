@@ -1,0 +1,87 @@
+"""Loading a target from a local directory or a Hub repo id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_spec import hub
+from mlx_spec.convert.readers import read_safetensors
+from mlx_spec.errors import UserError
+from mlx_spec.models.config import parse_config
+from mlx_spec.models.llama import Model
+
+
+def read_json(path: Path) -> dict:
+    if not path.exists():
+        raise UserError(f"{path}: missing (not a model directory?)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def compute_dtype() -> mx.Dtype | None:
+    """float32 on the CPU (bf16/fp16 matmul there is slow and skips BLAS); None
+    keeps the checkpoint's dtype on a GPU."""
+    gpu = mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
+    return None if gpu else mx.float32
+
+
+def _quantize(model: Model, q: dict, weights: dict, source: Path) -> None:
+    try:
+        group_size, bits = int(q["group_size"]), int(q["bits"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{source}: 'quantization' needs integer 'group_size' and 'bits'") from None
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if path in q:
+            return q[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(model, group_size, bits, mode=q.get("mode", "affine"), class_predicate=predicate)
+
+
+def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, Path]:
+    """Build the target described by `config.json` and load its safetensors."""
+    path = hub.resolve(path_or_repo, revision)
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    if "quantization" not in config and "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "?")
+        raise UserError(f"{config_path}: quantization_config '{method}' is not supported; use an MLX-quantized checkpoint")
+    args = parse_config(config, str(config_path))
+    model = Model(args)
+    weights, origin = read_safetensors(path)
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+    if args.quantization:
+        _quantize(model, args.quantization, weights, config_path)
+    expected = dict(tree_flatten(model.parameters()))
+    for name in expected.keys() - weights.keys():
+        raise UserError(f"{path}: checkpoint lacks weight '{name}'")
+    for name in weights.keys() - expected.keys():
+        raise UserError(f"{origin[name]}: unexpected weight '{name}' for a {args.model_type} model")
+    dtype = compute_dtype()
+    for name, value in weights.items():
+        if value.shape != expected[name].shape:
+            raise UserError(
+                f"{origin[name]}: weight '{name}' has shape {tuple(value.shape)}, "
+                f"config.json implies {tuple(expected[name].shape)}"
+            )
+        if dtype is not None and mx.issubdtype(value.dtype, mx.floating):
+            weights[name] = value.astype(dtype)
+    model.load_weights(list(weights.items()))
+    try:
+        mx.eval(model.parameters())
+    except RuntimeError as e:
+        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
+    return model, path
