@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--prompt", default="Write a short story about a fox.")
     b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--runs", type=int, default=3, help="timed runs of each (the best counts)")
+    b.add_argument("--runs", type=int, default=5, help="timed rounds (each runs both)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 

@@ -75,7 +75,8 @@ def stream_generate(
         if done:
             break
     detok.finalize()
-    if detok.last_segment:
-        yield detok.last_segment
+    segment = detok.last_segment
+    if segment:
+        yield segment
     result.text = detok.text
     mx.clear_cache()

@@ -1,0 +1,151 @@
+"""The command line: streamed and JSON output, doctor, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlx_spec.testing import make_checkpoint
+
+
+def run(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_generate_json_and_stream_agree(checkpoints):
+    path = str(checkpoints["qwen3"])
+    out = run("generate", "--model", path, "--prompt", "Hello fox", "--max-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("text", "tokens", "prompt_tokens", "prompt_tps", "generation_tps"):
+        assert key in data
+    assert 0 < len(data["tokens"]) <= 12 and data["prompt_tokens"] > 2
+    streamed = run("generate", "--model", path, "--prompt", "Hello fox", "--max-tokens", "12")
+    assert streamed.returncode == 0
+    assert streamed.stdout == data["text"] + "\n"
+
+
+def test_sampling_is_seeded(checkpoints):
+    path = str(checkpoints["llama"])
+    args = ("generate", "--model", path, "--prompt", "Hi", "--max-tokens", "16", "--json", "--temp", "1.0", "--top-p", "0.9")
+    a = json.loads(run(*args, "--seed", "1").stdout)["tokens"]
+    b = json.loads(run(*args, "--seed", "1").stdout)["tokens"]
+    c = json.loads(run(*args, "--seed", "2").stdout)["tokens"]
+    assert a == b and a != c
+
+
+def test_no_chat_template_feeds_raw_text(checkpoints):
+    path = str(checkpoints["qwen2"])
+    chat = json.loads(run("generate", "--model", path, "--prompt", "Hi", "--max-tokens", "1", "--json").stdout)
+    raw = json.loads(
+        run("generate", "--model", path, "--prompt", "Hi", "--max-tokens", "1", "--json", "--no-chat-template").stdout
+    )
+    assert raw["prompt_tokens"] < chat["prompt_tokens"]
+
+
+def test_doctor_reports_backend_and_blas():
+    out = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": ""})
+    assert out.returncode == 0
+    assert "mlx       " + mx.__version__ in out.stdout
+    assert "backend   CPU" in out.stdout or "backend   Metal" in out.stdout
+    if sys.platform.startswith("linux"):
+        assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread
+        off = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "1"})
+        assert "reference BLAS" in off.stdout and "MLX_SPEC_NO_OPENBLAS" in off.stdout
+
+
+@pytest.fixture
+def broken(tmp_path, checkpoints):
+    """A fresh copy of a good checkpoint to break in one way."""
+    import shutil
+
+    dst = tmp_path / "broken"
+    shutil.copytree(checkpoints["qwen3"], dst)
+    return dst
+
+
+def gen(path):
+    return run("generate", "--model", str(path), "--prompt", "x", "--max-tokens", "2")
+
+
+def test_missing_config(broken):
+    (broken / "config.json").unlink()
+    assert_one_line_error(gen(broken), "config.json", "missing")
+
+
+def test_unknown_model_type(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["model_type"] = "gpt_neox"
+    (broken / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(gen(broken), "config.json", "model_type", "gpt_neox")
+
+
+def test_missing_config_field(broken):
+    config = json.loads((broken / "config.json").read_text())
+    del config["hidden_size"]
+    (broken / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(gen(broken), "config.json", "hidden_size")
+
+
+def test_truncated_safetensors(broken):
+    f = broken / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(gen(broken), "model.safetensors")
+
+
+def test_corrupt_safetensors(broken):
+    (broken / "model.safetensors").write_bytes(b"\x07" * 64)
+    assert_one_line_error(gen(broken), "model.safetensors")
+
+
+def test_wrong_shape(broken):
+    f = broken / "model.safetensors"
+    weights = mx.load(str(f))
+    weights["model.layers.1.mlp.up_proj.weight"] = mx.zeros((3, 3))
+    mx.save_safetensors(str(f), weights)
+    assert_one_line_error(gen(broken), "model.safetensors", "model.layers.1.mlp.up_proj.weight", "shape")
+
+
+def test_missing_weight(broken):
+    f = broken / "model.safetensors"
+    weights = mx.load(str(f))
+    del weights["model.norm.weight"]
+    mx.save_safetensors(str(f), weights)
+    assert_one_line_error(gen(broken), "model.norm.weight")
+
+
+def test_hub_id_offline(tmp_path):
+    out = run(
+        "generate", "--model", "Qwen/Qwen3-0.6B", "--prompt", "x",
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)},
+    )
+    assert_one_line_error(out, "Qwen/Qwen3-0.6B", "offline")
+
+
+def test_missing_directory(tmp_path):
+    assert_one_line_error(gen(tmp_path / "nope"), "nope")
+
+
+def test_bad_flags(checkpoints):
+    path = str(checkpoints["qwen3"])
+    assert_one_line_error(run("generate", "--model", path, "--prompt", "x", "--top-p", "1.5"), "--top-p")
+    assert_one_line_error(run("generate", "--model", path, "--prompt", "x", "--max-tokens", "0"), "--max-tokens")
