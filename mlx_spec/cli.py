@@ -41,43 +41,86 @@ def _sampling(args: argparse.Namespace):
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 
 
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--drafter",
+        default="none",
+        help="none | lookup | suffix | draft=PATH_OR_REPO (default: none, plain decoding)",
+    )
+    p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round (default: adaptive)")
+    p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
+    p.add_argument("--ngram-max", type=int, default=4, help="lookup: longest n-gram to match")
+
+
+def _steps(args: argparse.Namespace, model, tokenizer):
+    """The decoding loop the flags ask for, as `steps(model, prompt, params, max_tokens)`."""
+    from functools import partial
+
+    from mlx_spec.decoding import plain_steps, speculative_steps
+    from mlx_spec.drafters import make_drafter
+
+    if args.num_draft is not None and args.num_draft < 1:
+        raise UserError(f"--num-draft must be >= 1, got {args.num_draft}")
+    drafter = make_drafter(
+        args.drafter, model.args.vocab_size, tokenizer, args.revision, (args.ngram_min, args.ngram_max)
+    )
+    if drafter is None:
+        return plain_steps
+    return partial(speculative_steps, drafter=drafter, num_draft=args.num_draft)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_spec.generate import Generation, stream_generate
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import encode_prompt, load_tokenizer
 
     params = _sampling(args)
+    if args.check and not params.greedy:
+        raise UserError("--check compares with plain greedy decoding: use it with --temp 0")
     model, path = load_model(args.model, args.revision)
     tokenizer = load_tokenizer(path)
+    steps = _steps(args, model, tokenizer)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = encode_prompt(tokenizer, prompt, chat_template=not args.no_chat_template)
     if not ids:
         raise UserError("--prompt: the prompt is empty")
     result = Generation(prompt_tokens=ids)
-    for segment in stream_generate(model, tokenizer, ids, params, args.max_tokens, result):
+    for segment in stream_generate(model, tokenizer, ids, params, args.max_tokens, result, steps):
         if not args.json:
             print(segment, end="", flush=True)
+    identical = None
+    if args.check:
+        plain = Generation(prompt_tokens=ids)
+        for _ in stream_generate(model, tokenizer, ids, params, args.max_tokens, plain):
+            pass
+        identical = plain.tokens == result.tokens
+    m = result.metrics
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": result.text,
-                    "tokens": result.tokens,
-                    "prompt_tokens": len(ids),
-                    "generation_tokens": len(result.tokens),
-                    "prompt_tps": result.prompt_tps,
-                    "generation_tps": result.generation_tps,
-                    "finish_reason": result.finish_reason,
-                }
-            )
-        )
+        out = {
+            "text": result.text,
+            "tokens": result.tokens,
+            "prompt_tokens": len(ids),
+            "generation_tokens": len(result.tokens),
+            "prompt_tps": result.prompt_tps,
+            "generation_tps": result.generation_tps,
+            "finish_reason": result.finish_reason,
+            "drafter": args.drafter,
+            **m.as_dict(),
+        }
+        if identical is not None:
+            out["identical_to_plain"] = identical
+        print(json.dumps(out))
     else:
         print()
-        print(
+        stats = (
             f"[{len(ids)} prompt tokens, {result.prompt_tps:.1f} tok/s; "
-            f"{len(result.tokens)} generated, {result.generation_tps:.1f} tok/s]",
-            file=sys.stderr,
+            f"{len(result.tokens)} generated, {result.generation_tps:.1f} tok/s"
         )
+        if args.drafter != "none":
+            stats += f"; {m.tau:.2f} tokens per target forward, {m.acceptance_rate:.0%} of drafts accepted"
+        if identical is not None:
+            stats += f"; identical to plain: {identical}"
+        print(stats + "]", file=sys.stderr)
     return 0
 
 
@@ -107,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_drafter_args(g)
+    g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="decode speed: mlx-spec against mlx-lm, same run")

@@ -13,9 +13,10 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_spec.cache import KVCache
+from mlx_spec.cache import KVCache, trim_cache
+from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.models.llama import Model
-from mlx_spec.sampling import SamplingParams, sample
+from mlx_spec.sampling import SamplingParams, accept_greedy, accept_sampled, sample
 
 PREFILL_STEP = 512
 
@@ -77,3 +78,104 @@ def plain_steps(
             mx.clear_cache()
         if n + 1 < max_tokens:
             y = next_y
+
+
+class DraftLength:
+    """Chooses K each round from measured acceptance and costs.
+
+    With per-token acceptance alpha and a drafted token costing c target steps,
+    a round of K drafts yields (1 - alpha^(K+1)) / (1 - alpha) tokens for
+    cK + 1 steps of work (Leviathan et al.). We pick the K in 0..k_max that
+    maximises that ratio; K = 0 is plain decoding, probed again now and then
+    in case acceptance has changed.
+    """
+
+    PROBE_EVERY = 16
+    DECAY = 0.9  # weight of the past in the running estimates
+
+    def __init__(self, k_max: int, adaptive: bool):
+        self.k_max, self.adaptive = k_max, adaptive
+        self.accepted, self.reached = 1.0, 2.0  # prior: alpha = 0.5
+        self.draft_cost = self.verify_cost = 0.0  # seconds per drafted token / per verification
+        self.plain_rounds = 0
+
+    @staticmethod
+    def speedup(alpha: float, c: float, k: int) -> float:
+        alpha = min(alpha, 0.999)
+        return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
+
+    def next(self) -> int:
+        if not self.adaptive or not self.verify_cost:
+            return self.k_max
+        alpha = self.accepted / self.reached
+        c = self.draft_cost / self.verify_cost
+        k = max(range(self.k_max + 1), key=lambda k: self.speedup(alpha, c, k))
+        if k == 0:
+            self.plain_rounds += 1
+            if self.plain_rounds % self.PROBE_EVERY == 0:
+                return 1
+        return k
+
+    def update(self, k: int, n: int, draft_time: float, verify_time: float) -> None:
+        d = self.DECAY
+        self.verify_cost = d * self.verify_cost + (1 - d) * verify_time if self.verify_cost else verify_time
+        if k == 0:
+            return
+        per_token = draft_time / k
+        self.draft_cost = d * self.draft_cost + (1 - d) * per_token if self.draft_cost else per_token
+        # Position i is reached when the drafts before it were all accepted.
+        self.accepted = d * self.accepted + n
+        self.reached = d * self.reached + n + (n < k)
+
+
+def speculative_steps(
+    model: Model,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    max_tokens: int,
+    drafter: Drafter,
+    num_draft: int | None = None,
+    k_max: int = 8,
+    cache: list[KVCache] | None = None,
+) -> Iterator[StepEvent]:
+    """Draft -> one target forward over the draft -> accept -> commit.
+
+    Exact: greedy output equals plain greedy decoding token for token, and
+    sampled output is distributed as the target's (see `accept_sampled`).
+    `num_draft` fixes K; otherwise a costly drafter's K adapts (`DraftLength`).
+    """
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    k_max = num_draft or k_max
+    cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + k_max + 1)
+    prefill(model, prompt[:-1], cache)
+    context = list(prompt)
+    drafter.reset(context)
+    length = DraftLength(k_max, adaptive=num_draft is None and drafter.costly)
+    produced = 0
+    while produced < max_tokens:
+        k = min(length.next(), max_tokens - produced - 1)  # the round adds one target token
+        tic = time.perf_counter()
+        draft = drafter.propose(context, k, params) if k > 0 else Draft(mx.array([], dtype=mx.int32))
+        k = len(draft)
+        mid = time.perf_counter()
+        inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
+        logits, _ = model(inputs[None], cache)  # [1, K+1, V]
+        logits = logits[0]
+        if k == 0:
+            n, token = mx.array(0), sample(logits[-1], params)
+        elif params.greedy:
+            n, token = accept_greedy(logits, draft.tokens)
+        else:
+            n, token = accept_sampled(logits, draft.tokens, draft.log_probs, params)
+        mx.eval(n, token)
+        n, token = n.item(), token.item()
+        toc = time.perf_counter()
+        trim_cache(cache, k - n)
+        drafted = draft.tokens.tolist()
+        tokens = drafted[:n] + [token]
+        context.extend(tokens)
+        drafter.commit(context)
+        length.update(k, n, mid - tic, toc - mid)
+        produced += len(tokens)
+        yield StepEvent(tokens, [True] * n + [False], drafted, mid - tic, toc - mid)

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from mlx_spec.decoding import StepEvent, plain_steps
+from mlx_spec.metrics import Metrics
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.tokenizer import TokenizerWrapper
@@ -26,6 +27,7 @@ class Generation:
     prompt_time: float = 0.0  # seconds to the first generated token
     generation_time: float = 0.0  # seconds from the first to the last token
     finish_reason: str = "length"
+    metrics: Metrics = field(default_factory=Metrics)
 
     @property
     def prompt_tps(self) -> float:
@@ -54,6 +56,7 @@ def stream_generate(
     first = None
     for event in steps(model, prompt, params, max_tokens):
         now = time.perf_counter()
+        result.metrics.add(event)
         if first is None:
             first = now
             result.prompt_time = now - start

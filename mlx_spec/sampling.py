@@ -76,3 +76,54 @@ def sample(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.greedy:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(log_probs(logits, params), axis=-1)
+
+
+# Acceptance rules for a chain of K draft tokens verified in one target forward.
+# `logits` [K+1, V] are the target's at the pending token and at each draft
+# token; row i scores the token after draft position i. Both rules return
+# (n, next): how many draft tokens are accepted, and the token that follows
+# them (the target's correction, or the bonus token when all K are accepted).
+
+
+def accept_greedy(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array]:
+    """Accept the longest prefix of `draft` [K] equal to the target's argmax."""
+    target = mx.argmax(logits, axis=-1)  # [K+1]
+    K = draft.shape[0]
+    n = mx.cumprod((target[:K] == draft).astype(mx.int32)).sum()
+    return n, mx.take(target, n)
+
+
+def accept_sampled(
+    logits: mx.array,
+    draft: mx.array,
+    draft_log_probs: mx.array | None,
+    params: SamplingParams,
+) -> tuple[mx.array, mx.array]:
+    """Speculative sampling (Leviathan et al., Chen et al.): exact for any draft.
+
+    Draft token x at position i is kept with probability min(1, q_i(x)/p_i(x)),
+    where q is the target's processed distribution and p the one x was really
+    drawn from (`draft_log_probs` [K, V]; None means a deterministic drafter,
+    p one-hot). At the first rejection the token is drawn from the normalised
+    residual max(0, q_i - p_i); if all are kept, the bonus from q_K.
+    """
+    K = draft.shape[0]
+    q = mx.exp(log_probs(logits, params))  # [K+1, V]
+    V = q.shape[-1]
+    if draft_log_probs is None:
+        p = (mx.arange(V)[None, :] == draft[:, None]).astype(q.dtype)  # [K, V] one-hot
+    else:
+        p = mx.exp(draft_log_probs)
+    idx = draft[:, None]
+    q_x = mx.take_along_axis(q[:K], idx, axis=-1)[:, 0]  # [K]
+    p_x = mx.take_along_axis(p, idx, axis=-1)[:, 0]
+    keep = mx.random.uniform(shape=(K,)) * p_x < q_x  # u < q/p, without dividing
+    n = mx.cumprod(keep.astype(mx.int32)).sum()
+    residual = mx.maximum(q[:K] - p, 0.0)  # [K, V]
+    # A row with no residual mass (p == q there) is never reached: rejection
+    # has probability 0. Fall back to q only to keep its sample finite.
+    empty = residual.sum(axis=-1, keepdims=True) <= 0
+    residual = mx.where(empty, q[:K], residual)
+    rows = mx.concatenate([residual, q[K:]], axis=0)  # [K+1, V]
+    candidates = mx.random.categorical(mx.log(rows), axis=-1)  # [K+1]
+    return n, mx.take(candidates, n)

@@ -1,0 +1,45 @@
+"""What every drafter offers the decoding loop."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_spec.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    """A chain of proposed tokens.
+
+    `tokens` [K] may still be lazy (the draft model's are), so drafting and
+    verification can be evaluated together. `log_probs` [K, V] are the
+    distributions the tokens were drawn from; None for a deterministic drafter
+    (the acceptance rule then treats p as one-hot).
+    """
+
+    tokens: mx.array
+    log_probs: mx.array | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(ABC):
+    """Proposes tokens; keeps its own state in step with what the target accepted."""
+
+    name = "drafter"
+    # True when drafting costs model forwards (so the loop weighs its cost).
+    costly = False
+
+    def reset(self, prompt: list[int]) -> None:
+        """A new generation starts from `prompt`."""
+
+    @abstractmethod
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        """Up to `k` tokens to follow `context` (the prompt and every committed token)."""
+
+    def commit(self, context: list[int]) -> None:
+        """The target accepted up to the end of `context`; drop stale state."""

@@ -1,0 +1,102 @@
+"""Draft model: a smaller model with the target's tokenizer drafts autoregressively.
+
+Its K steps are built as one lazy graph (each step's token feeds the next as an
+array, never through Python), so drafting costs one evaluation. Its KV cache
+keeps the longest prefix that is still valid after each verification.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_spec.cache import KVCache, trim_cache
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.errors import UserError
+from mlx_spec.models.llama import Model
+from mlx_spec.sampling import SamplingParams, log_probs
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (binary search over C-level list compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class DraftModel(Drafter):
+    name = "draft"
+    costly = True
+
+    def __init__(self, model: Model, target_vocab: int):
+        self.model = model
+        self.vocab = target_vocab
+        self.cache: list[KVCache] = model.make_cache()
+        self.cached: list[int] = []  # the tokens whose K/V the cache holds
+        self.base = 0  # context length at the last proposal
+
+    def _keep(self, n: int) -> None:
+        trim_cache(self.cache, len(self.cached) - n)
+        del self.cached[n:]
+
+    def reset(self, prompt: list[int]) -> None:
+        # Reuse what the cache shares with the new prompt (an earlier chat turn).
+        # The last prompt token is always fed again, for its logits.
+        self._keep(min(common_prefix(self.cached, prompt), len(prompt) - 1))
+
+    def commit(self, context: list[int]) -> None:
+        # The cache holds the old context and the draft but its last token; keep
+        # the drafted tokens the target accepted (the context has them next).
+        base = self.base
+        n = 0
+        for drafted, kept in zip(self.cached[base:], context[base:]):
+            if drafted != kept:
+                break
+            n += 1
+        self._keep(min(base + n, len(context) - 1))
+
+    def _to_target_vocab(self, logits: mx.array) -> mx.array:
+        """Cut or pad (with -inf) the draft's padded vocabulary to the target's."""
+        V = logits.shape[-1]
+        if V > self.vocab:
+            return logits[..., : self.vocab]
+        if V < self.vocab:
+            pad = mx.full((*logits.shape[:-1], self.vocab - V), float("-inf"), logits.dtype)
+            return mx.concatenate([logits, pad], axis=-1)
+        return logits
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        new = context[len(self.cached) :]
+        feed = mx.array(new)[None]  # [1, S], S >= 1
+        self.cached.extend(new)
+        self.base = len(context)
+        tokens, dists = [], []
+        for _ in range(k):
+            logits, _ = self.model(feed, self.cache)
+            logits = self._to_target_vocab(logits[0, -1])  # [V]
+            if params.greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                lp = log_probs(logits, params)
+                token = mx.random.categorical(lp)
+                dists.append(lp)
+            tokens.append(token)
+            feed = token.reshape(1, 1)
+        draft = mx.stack(tokens).astype(mx.int32)  # [K]
+        mx.eval(draft, dists)
+        # The cache now holds the context and every draft token but the last.
+        self.cached.extend(draft[:-1].tolist())
+        return Draft(draft, mx.stack(dists) if dists else None)  # log_probs [K, V]
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's."""
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise UserError(
+            f"{draft_path}: the draft model's tokenizer differs from the target's; "
+            "speculative decoding needs the same vocabulary"
+        )

@@ -1,0 +1,117 @@
+"""Suffix decoding (Oliaro et al., 2024): draft from a frequency-counting suffix
+trie over everything this session has seen (prompts and outputs).
+
+The trie holds every substring of up to `max_depth` tokens with how often it
+occurred. To draft, take the longest suffix of the context that has occurred
+before with a continuation, then follow the most frequent continuation while
+the estimated probability that the whole draft is right stays above
+`min_prob`, and for at most `alpha` times the match length: a long match
+is strong evidence, a one-token match is weak.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.errors import UserError
+from mlx_spec.sampling import SamplingParams
+
+
+class SuffixTrie:
+    """Substring counts, stored flat: node ids index the lists."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.child: dict[tuple[int, int], int] = {}  # (node, token) -> node
+        self.count = [0]  # occurrences of the node's substring
+        self.depth = [0]
+        self.continuations = [0]  # occurrences that were followed by a token
+        self.best = [-1]  # most frequent child node, -1 if none
+        self.best_token = [-1]
+        self.active = [0]  # nodes of the current document's suffixes, by depth
+
+    def start_document(self) -> None:
+        self.active = [0]
+
+    def append(self, token: int) -> None:
+        active = [0]
+        for node in self.active:
+            if self.depth[node] >= self.max_depth:
+                continue
+            key = (node, token)
+            child = self.child.get(key)
+            if child is None:
+                child = self.child[key] = len(self.count)
+                self.count.append(0)
+                self.depth.append(self.depth[node] + 1)
+                self.continuations.append(0)
+                self.best.append(-1)
+                self.best_token.append(-1)
+            self.count[child] += 1
+            self.continuations[node] += 1
+            best = self.best[node]
+            if best < 0 or self.count[child] > self.count[best]:
+                self.best[node], self.best_token[node] = child, token
+            active.append(child)
+        self.active = active
+
+    def longest_match(self) -> int:
+        """The deepest suffix node of the current document that has a continuation."""
+        for node in reversed(self.active):
+            if self.best[node] >= 0:
+                return node
+        return 0
+
+    def match(self, seq: list[int]) -> int:
+        """The deepest node for a suffix of `seq` that has a continuation (0 if none)."""
+        for start in range(max(0, len(seq) - self.max_depth + 1), len(seq)):
+            node = 0
+            for token in seq[start:]:
+                node = self.child.get((node, token), -1)
+                if node < 0:
+                    break
+            if node > 0 and self.best[node] >= 0:
+                return node
+        return 0
+
+
+class SuffixDecoding(Drafter):
+    name = "suffix"
+
+    def __init__(self, max_depth: int = 24, alpha: float = 2.0, min_prob: float = 0.1):
+        if max_depth < 2 or alpha <= 0 or not 0 <= min_prob < 1:
+            raise UserError("--drafter suffix: need max_depth >= 2, alpha > 0, 0 <= min_prob < 1")
+        self.trie = SuffixTrie(max_depth)
+        self.alpha, self.min_prob = alpha, min_prob
+        self.seen = 0
+
+    def reset(self, prompt: list[int]) -> None:
+        # Earlier generations of the session stay in the trie.
+        self.trie.start_document()
+        self.seen = 0
+        self.commit(prompt)
+
+    def commit(self, context: list[int]) -> None:
+        for token in context[self.seen :]:
+            self.trie.append(token)
+        self.seen = len(context)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        trie = self.trie
+        node = trie.longest_match()
+        limit = min(k, int(self.alpha * trie.depth[node]))
+        tail = context[-trie.max_depth :]
+        tokens: list[int] = []
+        prob = 1.0
+        while len(tokens) < limit and node > 0:
+            if trie.best[node] < 0:  # past the trie's depth: match a shorter suffix
+                node = trie.match(tail + tokens)
+                continue
+            child = trie.best[node]
+            prob *= trie.count[child] / trie.continuations[node]
+            if prob < self.min_prob:
+                break
+            tokens.append(trie.best_token[node])
+            node = child
+        return Draft(mx.array(tokens, dtype=mx.int32))

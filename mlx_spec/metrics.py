@@ -1,0 +1,67 @@
+"""What a speculative run achieved, computed from its step events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlx_spec.decoding import StepEvent
+
+
+@dataclass
+class Metrics:
+    steps: int = 0  # target forwards while decoding (one per round)
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    # reached[i]: rounds whose draft position i was verified (all before it accepted)
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def add(self, event: StepEvent) -> None:
+        self.steps += 1
+        self.tokens += len(event.tokens)
+        self.drafted += len(event.drafted)
+        self.accepted += event.accepted
+        self.draft_time += event.draft_time
+        self.verify_time += event.verify_time
+        n, k = event.accepted, len(event.drafted)
+        while len(self.reached) < k:
+            self.reached.append(0)
+            self.accepted_at.append(0)
+        for i in range(min(n + 1, k)):
+            self.reached[i] += 1
+            self.accepted_at[i] += i < n
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward (accepted drafts + 1)."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft position i accepted | positions before it accepted)."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def draft_overhead(self) -> float:
+        """c: time to draft one token over the time of one target forward."""
+        if not self.drafted or not self.verify_time:
+            return 0.0
+        return (self.draft_time / self.drafted) / (self.verify_time / self.steps)
+
+    def as_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "target_forwards": self.steps,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "draft_overhead": self.draft_overhead,
+        }

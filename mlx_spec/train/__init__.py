@@ -1,0 +1,1 @@
+"""Training: language-model loss and loop (later: distillation and drafter training)."""
