@@ -1,9 +1,12 @@
-"""`mlx-spec bench`: decode speed of mlx-spec against mlx-lm, in the same run.
+"""`mlx-spec bench`: decoding speed, side by side, in the same run.
 
-Both decode the same prompt greedily for the same number of tokens from the same
-checkpoint, alternating for `--runs` rounds; we report the best tokens/s of each
-and the median of the per-round ratios. Decode tokens/s counts the tokens after
-the first (which the prompt pass produces) over the time they took.
+Rows: mlx-spec plain decoding, mlx-lm plain decoding, and with `--drafter`,
+mlx-spec speculative decoding (and mlx-lm's own speculative decoding when the
+drafter is a draft model). Every row decodes the same prompt for the same number
+of tokens from the same checkpoint; rows alternate for `--runs` rounds and we
+report each row's best tokens/s, and the median over rounds of each row's ratio
+to mlx-spec's plain decoding. Decode tokens/s counts the tokens after the first
+(which the prompt pass produces) over the time they took.
 """
 
 from __future__ import annotations
@@ -11,91 +14,135 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec.decoding import plain_steps
+from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.errors import UserError
 from mlx_spec.sampling import SamplingParams
+
+# A runner yields (token, from_draft, round_ended) triples.
+Runner = Callable[[SamplingParams], Iterator[tuple[int, bool, bool]]]
 
 
 @dataclass
-class Timing:
+class Row:
     name: str
-    prompt_tps: float
-    decode_tps: float
-    tokens: list[int]
+    temp: float
+    decode_tps: float = 0.0
+    prompt_tps: float = 0.0
+    tau: float = 1.0  # tokens per target forward
+    ratios: list[float] = field(default_factory=list)  # against plain mlx-spec, per round
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return sorted(self.ratios)[len(self.ratios) // 2] if self.ratios else 0.0
 
 
-def time_tokens(name: str, tokens: Iterator[int], n_prompt: int, max_tokens: int) -> Timing:
+def time_run(tokens: Iterator[tuple[int, bool, bool]], n_prompt: int, max_tokens: int):
+    """(prompt tok/s, decode tok/s, tau, tokens) of one run."""
     start = time.perf_counter()
-    out, first = [], 0.0
-    for t in tokens:
-        out.append(t)
+    out, rounds, first = [], 0, 0.0
+    for token, _, round_ended in tokens:
+        out.append(token)
+        rounds += round_ended
         if len(out) == 1:
             first = time.perf_counter()
         if len(out) == max_tokens:
             break
     end = time.perf_counter()
     decode = (len(out) - 1) / (end - first) if len(out) > 1 else 0.0
-    return Timing(name, n_prompt / (first - start), decode, out)
+    return n_prompt / (first - start), decode, len(out) / max(rounds, 1), out
+
+
+def _events(events) -> Iterator[tuple[int, bool, bool]]:
+    for e in events:
+        for i, (t, d) in enumerate(zip(e.tokens, e.from_draft)):
+            yield t, d, i == len(e.tokens) - 1
 
 
 def run_bench(args: argparse.Namespace) -> str:
     from mlx_lm import load as mlx_lm_load
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
 
+    from mlx_spec.drafters import make_drafter
+    from mlx_spec.drafters.draft_model import DraftModel
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import encode_prompt, load_tokenizer
 
+    if args.runs < 1 or args.max_tokens < 2:
+        raise UserError("--runs must be >= 1 and --max-tokens >= 2")
     model, path = load_model(args.model, args.revision)
     tokenizer = load_tokenizer(path)
     ref_model, _ = mlx_lm_load(str(path))
     prompt = encode_prompt(tokenizer, args.prompt)
     n = args.max_tokens
-    greedy = SamplingParams()
+    spec = args.drafter
+    drafter = make_drafter(spec, model.args.vocab_size, tokenizer, args.revision) if spec != "none" else None
 
-    def ours() -> Iterator[int]:
-        for event in plain_steps(model, prompt, greedy, n):
-            yield from event.tokens
+    runners: dict[str, Runner] = {
+        "mlx-spec": lambda p: _events(plain_steps(model, prompt, p, n)),
+        "mlx-lm": lambda p: (
+            (t, False, True) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
+        ),
+    }
+    if drafter is not None:
+        runners[f"mlx-spec {spec}"] = lambda p: _events(
+            speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=args.num_draft)
+        )
+    if isinstance(drafter, DraftModel):
+        ref_draft, _ = mlx_lm_load(spec.partition("=")[2])
+        k = args.num_draft or 3
+        runners[f"mlx-lm {spec}"] = lambda p: (
+            (t, d, not d)
+            for t, _, d in speculative_generate_step(
+                mx.array(prompt), ref_model, ref_draft, num_draft_tokens=k, max_tokens=n, sampler=make_sampler(p.temp)
+            )
+        )
 
-    def theirs() -> Iterator[int]:
-        for token, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n):
-            yield token
+    rows: list[Row] = []
+    for temp in args.temps:
+        params = SamplingParams(temp=temp)
+        table = {name: Row(name, temp) for name in runners}
+        for name, run in runners.items():  # warm-up: compile, allocate
+            time_run(run(params), len(prompt), min(n, 8))
+        for r in range(args.runs):
+            mx.random.seed(r)
+            timed = {name: time_run(run(params), len(prompt), n) for name, run in runners.items()}
+            base = timed["mlx-spec"][1]
+            for name, (ptps, dtps, tau, tokens) in timed.items():
+                row = table[name]
+                row.ratios.append(dtps / base)
+                if dtps > row.decode_tps:
+                    row.decode_tps, row.prompt_tps, row.tau, row.tokens = dtps, ptps, tau, tokens
+        rows += table.values()
 
-    runners: dict[str, Callable[[], Iterator[int]]] = {"mlx-spec": ours, "mlx-lm": theirs}
-    best: dict[str, Timing] = {}
-    ratios = []
-    for name, run in runners.items():  # warm-up: compile, allocate
-        time_tokens(name, run(), len(prompt), min(n, 8))
-    for _ in range(args.runs):
-        round_ = {name: time_tokens(name, run(), len(prompt), n) for name, run in runners.items()}
-        ratios.append(round_["mlx-spec"].decode_tps / round_["mlx-lm"].decode_tps)
-        for name, t in round_.items():
-            if name not in best or t.decode_tps > best[name].decode_tps:
-                best[name] = t
-    same = best["mlx-spec"].tokens == best["mlx-lm"].tokens
-    ratio = sorted(ratios)[len(ratios) // 2]  # median over rounds: robust to a noisy machine
-    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    params_count = sum(v.size for _, v in tree_flatten(model.parameters()))
     if args.json:
         return json.dumps(
             {
                 "model": args.model,
-                "parameters": params,
+                "parameters": params_count,
                 "prompt_tokens": len(prompt),
                 "max_tokens": n,
-                "results": [{k: v for k, v in asdict(t).items() if k != "tokens"} for t in best.values()],
-                "decode_ratio": ratio,
-                "identical_tokens": same,
+                "rows": [
+                    {"name": r.name, "temp": r.temp, "decode_tps": r.decode_tps, "prompt_tps": r.prompt_tps,
+                     "tau": r.tau, "ratio_to_plain": r.ratio}
+                    for r in rows
+                ],
             }
         )
-    lines = [f"{args.model}: {params / 1e6:.1f}M parameters, {len(prompt)} prompt tokens, {n} generated"]
-    lines.append(f"{'':10} {'prompt tok/s':>13} {'decode tok/s':>13}")
-    lines += [f"{t.name:10} {t.prompt_tps:13.1f} {t.decode_tps:13.1f}" for t in best.values()]
-    lines.append(
-        f"decode speed mlx-spec / mlx-lm: {ratio:.2f}x (median of {args.runs} rounds); "
-        f"greedy tokens identical: {same}"
-    )
+    lines = [f"{args.model}: {params_count / 1e6:.1f}M parameters, {len(prompt)} prompt tokens, {n} generated"]
+    lines.append(f"{'':32} {'temp':>5} {'decode tok/s':>13} {'tau':>6} {'vs plain':>9}")
+    for r in rows:
+        lines.append(f"{r.name:32} {r.temp:5.1f} {r.decode_tps:13.1f} {r.tau:6.2f} {r.ratio:8.2f}x")
+    greedy = {r.name: r.tokens for r in rows if r.temp == 0}
+    if greedy:
+        same = len({tuple(t) for t in greedy.values()}) == 1
+        lines.append(f"greedy tokens identical across rows: {same}")
     return "\n".join(lines)

@@ -56,6 +56,9 @@ class Scripted(Drafter):
     def reset(self, prompt):
         self.prompt_len = len(prompt)
 
+    def new_session(self):
+        return Scripted(self.truth, self.corrupt_every)
+
 
 @pytest.fixture(scope="module")
 def target(checkpoints):

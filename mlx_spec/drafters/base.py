@@ -35,7 +35,11 @@ class Drafter(ABC):
     costly = False
 
     def reset(self, prompt: list[int]) -> None:
-        """A new generation starts from `prompt`."""
+        """A new generation of the same session starts from `prompt`."""
+
+    @abstractmethod
+    def new_session(self) -> "Drafter":
+        """A drafter like this one (same weights, same settings) with no history."""
 
     @abstractmethod
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:

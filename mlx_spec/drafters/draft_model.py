@@ -39,6 +39,9 @@ class DraftModel(Drafter):
         self.cached: list[int] = []  # the tokens whose K/V the cache holds
         self.base = 0  # context length at the last proposal
 
+    def new_session(self) -> DraftModel:
+        return DraftModel(self.model, self.vocab)
+
     def _keep(self, n: int) -> None:
         trim_cache(self.cache, len(self.cached) - n)
         del self.cached[n:]

@@ -25,6 +25,9 @@ class PromptLookup(Drafter):
         # n-gram -> index of the token that followed its latest occurrence
         self.index: dict[tuple[int, ...], int] = {}
 
+    def new_session(self) -> PromptLookup:
+        return PromptLookup(self.min_n, self.max_n)
+
     def reset(self, prompt: list[int]) -> None:
         self.seen, self.index = 0, {}
         self.commit(prompt)

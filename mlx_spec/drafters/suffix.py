@@ -86,6 +86,9 @@ class SuffixDecoding(Drafter):
         self.alpha, self.min_prob = alpha, min_prob
         self.seen = 0
 
+    def new_session(self) -> SuffixDecoding:
+        return SuffixDecoding(self.trie.max_depth, self.alpha, self.min_prob)
+
     def reset(self, prompt: list[int]) -> None:
         # Earlier generations of the session stay in the trie.
         self.trie.start_document()

@@ -47,13 +47,10 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rope = rope
 
-    def __call__(
-        self,
-        x: mx.array,
-        mask: mx.array | str | None,
-        cache: KVCache | None,
-        positions: mx.array | None,
-    ) -> mx.array:
+    def qkv(
+        self, x: mx.array, offset: int | mx.array, positions: mx.array | None
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values `[B, H, S, D]`, rotated to their positions."""
         B, S, _ = x.shape
         q = self.q_proj(x).reshape(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
         k = self.k_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)
@@ -61,17 +58,19 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is None:
-            offset = cache.offset if cache is not None else 0
             q = self.rope(q.transpose(0, 2, 1, 3), offset)  # [B, H, S, D]
             k = self.rope(k.transpose(0, 2, 1, 3), offset)
         else:
             q = self.rope.at_positions(q, positions).transpose(0, 2, 1, 3)
             k = self.rope.at_positions(k, positions).transpose(0, 2, 1, 3)
-        v = v.transpose(0, 2, 1, 3)
+        return q, k, v.transpose(0, 2, 1, 3)
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None, cache: KVCache | None
+    ) -> mx.array:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # [B, H_kv, cached + S, D]
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, S, -1))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
 class MLP(nn.Module):
@@ -94,9 +93,41 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x, mask, cache, positions) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
+    def pre(self, x: mx.array, offset: int | mx.array, positions: mx.array | None):
+        return self.self_attn.qkv(self.input_layernorm(x), offset, positions)
+
+    def post(self, x: mx.array, out: mx.array) -> mx.array:
+        """Output projection, residual, MLP: `out` `[B, H, S, D]` -> `[B, S, hidden]`."""
+        B, S, _ = x.shape
+        h = x + self.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, S, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def compile(self) -> None:
+        """Compile `pre` and `post` for inference (shapes are fixed per token count,
+        so one trace serves every step). Weights must not change afterwards."""
+        self._compiled = _CompiledLayer(self)
+
+    def __call__(self, x, mask, cache, positions) -> mx.array:
+        offset = cache.offset if cache is not None else 0
+        fast = getattr(self, "_compiled", None)
+        if fast is None:
+            q, k, v = self.pre(x, offset, positions)
+            return self.post(x, self.self_attn.attend(q, k, v, mask, cache))
+        if positions is None:
+            q, k, v = fast.pre_offset(x, mx.array(offset))
+        else:
+            q, k, v = fast.pre_positions(x, positions)
+        return fast.post(x, self.self_attn.attend(q, k, v, mask, cache))
+
+
+class _CompiledLayer:
+    """Compiled halves of a decoder layer; the KV cache write and attention
+    between them stay eager, so the cache is updated in place."""
+
+    def __init__(self, layer: DecoderLayer):
+        self.pre_offset = mx.compile(lambda x, offset: layer.pre(x, offset, None))
+        self.pre_positions = mx.compile(lambda x, positions: layer.pre(x, 0, positions))
+        self.post = mx.compile(layer.post)
 
 
 class LlamaModel(nn.Module):
@@ -120,6 +151,11 @@ class Model(nn.Module):
     @property
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
+
+    def compile(self) -> None:
+        """Faster inference: compile every layer (see `DecoderLayer.compile`)."""
+        for layer in self.layers:
+            layer.compile()
 
     def make_cache(self, capacity: int = 0) -> list[KVCache]:
         return make_cache(len(self.layers), capacity)

@@ -84,4 +84,5 @@ def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, P
         mx.eval(model.parameters())
     except RuntimeError as e:
         raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
+    model.compile()
     return model, path

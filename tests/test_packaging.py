@@ -1,0 +1,32 @@
+"""The distribution installs one import name, mlx_spec, with every subpackage."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
+def test_every_package_is_listed():
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    dirs = setup["package-dir"]
+    found = {"mlx_spec." + ".".join(p.parent.relative_to(ROOT / "mlx_spec").parts) for p in (ROOT / "mlx_spec").rglob("__init__.py")}
+    found = {name.rstrip(".") for name in found}
+    for name, folder in dirs.items():
+        found |= {name + "".join("." + part for part in p.parent.relative_to(ROOT / folder).parts)
+                  for p in (ROOT / folder).rglob("__init__.py")}
+    assert found == listed
+    assert all(name == "mlx_spec" or name.startswith("mlx_spec.") for name in listed)
+
+
+def test_subpackages_import():
+    import mlx_spec.convert
+    import mlx_spec.tui
+
+    assert Path(mlx_spec.tui.__file__).parent.name == "tui"
+    assert Path(mlx_spec.convert.__file__).parent.name == "convert"
