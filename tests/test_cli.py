@@ -149,3 +149,27 @@ def test_bad_flags(checkpoints):
     path = str(checkpoints["qwen3"])
     assert_one_line_error(run("generate", "--model", path, "--prompt", "x", "--top-p", "1.5"), "--top-p")
     assert_one_line_error(run("generate", "--model", path, "--prompt", "x", "--max-tokens", "0"), "--max-tokens")
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "suffix", "draft={llama}"])
+def test_generate_with_drafter_reports_metrics(checkpoints, drafter):
+    path = str(checkpoints["qwen3"])
+    spec = drafter.format(llama=checkpoints["llama"])
+    out = run("generate", "--model", path, "--prompt", "the fox the fox the fox", "--max-tokens", "24",
+              "--drafter", spec, "--check", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["drafter"] == spec and data["identical_to_plain"] is True
+    for key in ("tau", "acceptance_by_position", "target_forwards", "draft_overhead"):
+        assert key in data
+    assert data["tau"] >= 1.0 and data["target_forwards"] * data["tau"] >= len(data["tokens"])
+
+
+def test_drafter_errors(checkpoints):
+    path = str(checkpoints["qwen3"])
+    base = ("generate", "--model", path, "--prompt", "x", "--max-tokens", "4")
+    assert_one_line_error(run(*base, "--drafter", "bogus"), "--drafter", "bogus")
+    assert_one_line_error(run(*base, "--drafter", "draft"), "--drafter", "draft=")
+    assert_one_line_error(run(*base, "--drafter", "lookup", "--check", "--temp", "1"), "--check")
+    assert_one_line_error(run(*base, "--drafter", "lookup", "--num-draft", "0"), "--num-draft")
+    assert_one_line_error(run(*base, "--drafter", "draft=/nonexistent/dir"), "/nonexistent/dir")
