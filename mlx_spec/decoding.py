@@ -80,14 +80,21 @@ def plain_steps(
             y = next_y
 
 
+def _ema(old: float | None, new: float, decay: float) -> float:
+    return new if old is None else decay * old + (1 - decay) * new
+
+
 class DraftLength:
     """Chooses K each round from measured acceptance and costs.
 
-    With per-token acceptance alpha and a drafted token costing c target steps,
-    a round of K drafts yields (1 - alpha^(K+1)) / (1 - alpha) tokens for
-    cK + 1 steps of work (Leviathan et al.). We pick the K in 0..k_max that
-    maximises that ratio; K = 0 is plain decoding, probed again now and then
-    in case acceptance has changed.
+    With per-token acceptance alpha, a round of K drafts yields
+    E(K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al.) and costs
+    K drafted tokens plus one verification of K + 1 tokens. The seed's formula
+    takes the verification as flat in K (memory-bound decoding); on a CPU, or
+    for a small target, it is not, so we keep a running time per verified
+    length and fit a line through them. We pick the K in 0..k_max with the
+    least time per token; K = 0 is plain decoding, probed again now and then in
+    case acceptance has changed.
     """
 
     PROBE_EVERY = 16
@@ -96,20 +103,31 @@ class DraftLength:
     def __init__(self, k_max: int, adaptive: bool):
         self.k_max, self.adaptive = k_max, adaptive
         self.accepted, self.reached = 1.0, 2.0  # prior: alpha = 0.5
-        self.draft_cost = self.verify_cost = 0.0  # seconds per drafted token / per verification
+        self.draft_cost: float | None = None  # seconds per drafted token
+        self.verify_cost: dict[int, float] = {}  # K -> seconds per verification of K + 1 tokens
         self.plain_rounds = 0
 
-    @staticmethod
-    def speedup(alpha: float, c: float, k: int) -> float:
-        alpha = min(alpha, 0.999)
-        return (1 - alpha ** (k + 1)) / ((1 - alpha) * (c * k + 1))
+    def verify_time(self, k: int) -> float:
+        """Measured, or from a line through the measured lengths (flat with one)."""
+        if k in self.verify_cost:
+            return self.verify_cost[k]
+        ks = list(self.verify_cost)
+        ts = [self.verify_cost[j] for j in ks]
+        if len(ks) == 1:
+            return ts[0]
+        mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
+        slope = sum((a - mk) * (b - mt) for a, b in zip(ks, ts)) / sum((a - mk) ** 2 for a in ks)
+        return max(mt + max(slope, 0.0) * (k - mk), min(ts))
+
+    def time_per_token(self, k: int) -> float:
+        alpha = min(self.accepted / self.reached, 0.999)
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        return (k * (self.draft_cost or 0.0) + self.verify_time(k)) / tokens
 
     def next(self) -> int:
         if not self.adaptive or not self.verify_cost:
             return self.k_max
-        alpha = self.accepted / self.reached
-        c = self.draft_cost / self.verify_cost
-        k = max(range(self.k_max + 1), key=lambda k: self.speedup(alpha, c, k))
+        k = min(range(self.k_max + 1), key=self.time_per_token)
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds % self.PROBE_EVERY == 0:
@@ -118,11 +136,10 @@ class DraftLength:
 
     def update(self, k: int, n: int, draft_time: float, verify_time: float) -> None:
         d = self.DECAY
-        self.verify_cost = d * self.verify_cost + (1 - d) * verify_time if self.verify_cost else verify_time
+        self.verify_cost[k] = _ema(self.verify_cost.get(k), verify_time, d)
         if k == 0:
             return
-        per_token = draft_time / k
-        self.draft_cost = d * self.draft_cost + (1 - d) * per_token if self.draft_cost else per_token
+        self.draft_cost = _ema(self.draft_cost, draft_time / k, d)
         # Position i is reached when the drafts before it were all accepted.
         self.accepted = d * self.accepted + n
         self.reached = d * self.reached + n + (n < k)

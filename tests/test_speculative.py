@@ -290,3 +290,28 @@ def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
         make_drafter("medusa", 384, tokenizer)
     with pytest.raises(UserError, match="draft=PATH"):
         make_drafter("draft", 384, tokenizer)
+
+
+def test_draft_length_follows_acceptance_and_costs():
+    from mlx_spec.decoding import DraftLength
+
+    good = DraftLength(8, adaptive=True)
+    for _ in range(30):
+        good.update(8, 8, draft_time=8 * 0.1, verify_time=1.0)  # cheap drafts, all accepted
+    assert good.next() == 8
+    bad = DraftLength(8, adaptive=True)
+    for _ in range(30):
+        bad.update(4, 0, draft_time=4 * 0.5, verify_time=1.0)  # costly drafts, none accepted
+    assert bad.next() == 0
+    assert any(bad.next() == 1 for _ in range(DraftLength.PROBE_EVERY))  # probes again
+    # A verification that grows with its length shortens the draft.
+    steep = DraftLength(8, adaptive=True)
+    for k, t in ((1, 1.0), (8, 4.0)):
+        for _ in range(30):
+            steep.update(k, k // 2, draft_time=0.01 * k, verify_time=t)
+    flat = DraftLength(8, adaptive=True)
+    for k in (1, 8):
+        for _ in range(30):
+            flat.update(k, k // 2, draft_time=0.01 * k, verify_time=1.0)
+    assert steep.next() < flat.next()
+    assert DraftLength(5, adaptive=False).next() == 5
