@@ -157,6 +157,10 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.compile()
 
+    def enable_grad_checkpoint(self) -> None:
+        """Training: recompute each layer's activations in the backward pass."""
+        self._grad_checkpoint = True
+
     def make_cache(self, capacity: int = 0) -> list[KVCache]:
         return make_cache(len(self.layers), capacity)
 
@@ -185,7 +189,22 @@ class Model(nn.Module):
         if mask is None and tokens.shape[1] > 1:
             mask = "causal"
         states = {0: h}
+        checkpoint = getattr(self, "_grad_checkpoint", False)
         for i in range(n_layers):
-            h = self.layers[i](h, mask, cache[i] if cache is not None else None, positions)
+            layer = self.layers[i]
+            if checkpoint:
+                h = _checkpointed(layer, h, mask, positions)
+            else:
+                h = layer(h, mask, cache[i] if cache is not None else None, positions)
             states[i + 1] = h
         return self.head(h), tuple(states[i] for i in capture)
+
+
+def _checkpointed(layer: DecoderLayer, h: mx.array, mask, positions) -> mx.array:
+    """Run `layer` without keeping its activations for the backward pass."""
+
+    def run(params: dict, h: mx.array) -> mx.array:
+        layer.update(params)
+        return layer(h, mask, None, positions)
+
+    return mx.checkpoint(run)(layer.trainable_parameters(), h)
