@@ -1,4 +1,4 @@
-"""`mlx-spec`: generate | bench | doctor.
+"""`mlx-spec`: generate | bench | doctor | convert.
 
 Bad input ends with one line on stderr naming the file, field or flag, and exit
 code 2.
@@ -12,6 +12,7 @@ import sys
 from typing import Callable
 
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlx_spec.convert import cli as convert_cli
 from mlx_spec.errors import UserError
 
 
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="MLX version, backend, BLAS, and how to speed things up")
     d.set_defaults(func=cmd_doctor)
+
+    convert_cli.add_parser(sub)
     return parser
 
 

@@ -41,8 +41,9 @@ def resolve(
             snapshot_download(path_or_repo, revision=revision, allow_patterns=list(allow_patterns))
         )
     except hf_errors.LocalEntryNotFoundError:
+        at = f" at revision '{revision}'" if revision else ""
         raise UserError(
-            f"{path_or_repo}: not in the Hugging Face cache and the Hub cannot be reached "
+            f"{path_or_repo}{at}: not in the Hugging Face cache and the Hub cannot be reached "
             "(offline: HF_HUB_OFFLINE is set or there is no network); download it once online"
         ) from None
     except hf_errors.RepositoryNotFoundError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,17 +50,17 @@ def _quantize(model: Model, q: dict, weights: dict, source: Path) -> None:
     nn.quantize(model, group_size, bits, mode=q.get("mode", "affine"), class_predicate=predicate)
 
 
-def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, Path]:
-    """Build the target described by `config.json` and load its safetensors."""
-    path = hub.resolve(path_or_repo, revision)
-    config_path = path / "config.json"
-    config = read_json(config_path)
+def checked_weights(
+    config: dict, config_path: Path, weights: Mapping[str, mx.array], origin: dict[str, Path], path: Path
+) -> tuple[Model, dict[str, mx.array]]:
+    """The model `config` describes (quantized if it says so; weights not loaded)
+    and the checkpoint's weights for it, checked: every name present, none extra,
+    every shape as the config implies."""
     if "quantization" not in config and "quantization_config" in config:
         method = config["quantization_config"].get("quant_method", "?")
         raise UserError(f"{config_path}: quantization_config '{method}' is not supported; use an MLX-quantized checkpoint")
     args = parse_config(config, str(config_path))
     model = Model(args)
-    weights, origin = read_safetensors(path)
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.tie_word_embeddings:
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
@@ -70,15 +71,25 @@ def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, P
         raise UserError(f"{path}: checkpoint lacks weight '{name}'")
     for name in weights.keys() - expected.keys():
         raise UserError(f"{origin[name]}: unexpected weight '{name}' for a {args.model_type} model")
-    dtype = compute_dtype()
     for name, value in weights.items():
         if value.shape != expected[name].shape:
             raise UserError(
                 f"{origin[name]}: weight '{name}' has shape {tuple(value.shape)}, "
                 f"config.json implies {tuple(expected[name].shape)}"
             )
-        if dtype is not None and mx.issubdtype(value.dtype, mx.floating):
-            weights[name] = value.astype(dtype)
+    return model, weights
+
+
+def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, Path]:
+    """Build the target described by `config.json` and load its safetensors."""
+    path = hub.resolve(path_or_repo, revision)
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    weights, origin = read_safetensors(path)
+    model, weights = checked_weights(config, config_path, weights, origin, path)
+    dtype = compute_dtype()
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     try:
         mx.eval(model.parameters())
