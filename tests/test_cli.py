@@ -1,33 +1,13 @@
 """The command line: streamed and JSON output, doctor, and one-line errors."""
 
 import json
-import os
-import subprocess
 import sys
 
 import mlx.core as mx
 import pytest
 
-from mlx_spec.testing import make_checkpoint
-
-
-def run(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+from helpers import assert_one_line_error
+from helpers import cli as run
 
 
 def test_generate_json_and_stream_agree(checkpoints):

@@ -26,28 +26,12 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.testing import make_checkpoint, make_tokenizer
 
+from helpers import assert_one_line_error, cli
+
 FIXTURES = Path(__file__).parent / "fixtures" / "torch"
 TENSORS = FIXTURES / "tensors"
 EXPECTED = np.load(TENSORS / "expected.npz")
 DTYPES = json.loads((TENSORS / "expected.json").read_text())
-
-
-def cli(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    for needle in needles:
-        assert str(needle) in lines[0], lines[0]
 
 
 def raises_one_line(fn, *needles) -> str:
