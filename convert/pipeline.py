@@ -21,7 +21,8 @@ from mlx.utils import tree_flatten
 from mlx_spec import hub
 from mlx_spec.convert import llama
 from mlx_spec.convert.family import Family, Source
-from mlx_spec.convert.output import check_out, save_weights, write_atomically
+from mlx_spec.convert.output import check_out, write_atomically
+from mlx_spec.files import save_weights
 from mlx_spec.errors import UserError
 from mlx_spec.models.load import read_json
 

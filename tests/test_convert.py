@@ -18,8 +18,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_spec import files
 from mlx_spec.cli import main
-from mlx_spec.convert import output, pipeline, readers
+from mlx_spec.convert import pipeline, readers
 from mlx_spec.convert.readers import read_safetensors, read_safetensors_file, read_torch, read_torch_file
 from mlx_spec.convert.registry import find_drafter, model_key
 from mlx_spec.errors import UserError
@@ -335,7 +336,7 @@ def test_dtype_and_quantize(tmp_path, reference_logits):
 
 
 def test_convert_writes_shards_past_the_size_limit(tmp_path, monkeypatch, reference_logits):
-    monkeypatch.setattr(output, "MAX_SHARD_BYTES", 30_000)
+    monkeypatch.setattr(files, "MAX_SHARD_BYTES", 30_000)
     out = tmp_path / "out"
     assert main(["convert", str(FIXTURES / "llama"), "-o", str(out)]) == 0
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
@@ -431,10 +432,10 @@ def test_interrupted_between_renames_puts_the_old_out_back(tmp_path, monkeypatch
             raise KeyboardInterrupt
         real_replace(a, b)
 
-    monkeypatch.setattr(output.os, "replace", replace)
+    monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         pipeline.convert(str(FIXTURES / "llama"), out, dtype="float16", force=True)
-    monkeypatch.setattr(output.os, "replace", real_replace)
+    monkeypatch.setattr(files.os, "replace", real_replace)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

@@ -21,8 +21,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import sys
 import time
@@ -36,6 +34,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlx_spec.errors import UserError
+from mlx_spec.files import replace_atomically
 
 Batch = Any
 Objective = Callable[[nn.Module, Batch], mx.array]
@@ -78,21 +77,6 @@ def lr_schedule(config: TrainConfig) -> Callable[[mx.array], mx.array]:
     # The ramp starts one step in, so the first update is not wasted at lr 0.
     ramp = optim.linear_schedule(config.lr / warmup, config.lr, warmup)
     return optim.join_schedules([ramp, decay], [warmup])
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Build `path` (a file or a folder) beside it, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if tmp.is_dir():
-        shutil.rmtree(tmp)
-    write(tmp)
-    if path.is_dir() and tmp.is_dir():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, path)
 
 
 class Trainer:
@@ -160,14 +144,13 @@ class Trainer:
         opt = dict(tree_flatten(self.optimizer.state))
 
         def write(folder: Path) -> None:
-            folder.mkdir(parents=True)
             mx.save_safetensors(str(folder / "weights.safetensors"), params)
             mx.save_safetensors(str(folder / "optimizer.safetensors"), opt)
             (folder / "state.json").write_text(
                 json.dumps({"step": self.step, "config": asdict(self.config)}, default=str)
             )
 
-        write_atomically(self.checkpoint_dir, write)
+        replace_atomically(self.checkpoint_dir, write)
 
     def load_checkpoint(self) -> None:
         folder = self.checkpoint_dir
