@@ -17,23 +17,13 @@ from mlx_spec.convert.family import Converted, Source
 from mlx_spec.convert.readers import read_weights
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ARCHITECTURES, parse_config
+from mlx_spec.files import SIDE_FILES, side_files
 from mlx_spec.models.llama import Model
 from mlx_spec.models.load import checked_weights, read_json
 
 NAME = "llama"
 DESCRIPTION = f"{'/'.join(sorted(ARCHITECTURES))} models in safetensors or pytorch_model.bin"
 
-# Written out next to the weights, as they are: what the tokenizer and generation need.
-COPY_PATTERNS = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "*.tiktoken",
-    "chat_template.*",
-    "generation_config.json",
-)
 SAFETENSORS = ("model*.safetensors", "model.safetensors.index.json")
 TORCH = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
 
@@ -50,16 +40,16 @@ def detect(source: Source) -> bool:
 def fetch(source: Source) -> Path:
     # Many repos hold the weights twice (safetensors and .bin): fetch one copy,
     # safetensors when there are any.
-    path = hub.resolve(source.name, source.revision, ["config.json", *COPY_PATTERNS, *SAFETENSORS])
+    path = hub.resolve(source.name, source.revision, ["config.json", *SIDE_FILES, *SAFETENSORS])
     if not any(path.glob("model*.safetensors")):
-        path = hub.resolve(source.name, source.revision, ["config.json", *COPY_PATTERNS, *TORCH])
+        path = hub.resolve(source.name, source.revision, ["config.json", *SIDE_FILES, *TORCH])
     return path
 
 
 def convert(path: Path, source: Source) -> Converted:
     weights, origin = read_weights(path)
     _, weights = checked_weights(source.config, path / "config.json", weights, origin, path)
-    copy = sorted({f for pattern in COPY_PATTERNS for f in path.glob(pattern) if f.is_file()})
+    copy = side_files(path)  # written out next to the weights, as they are
     return Converted(dict(source.config), weights, origin, copy)
 
 
@@ -73,7 +63,7 @@ def check_target(converted: Converted, path: Path, target: str) -> None:
     embedding may be padded to a different number of rows)."""
     from mlx_spec.tokenizer import load_tokenizer  # imports transformers: only when asked
 
-    target_path = hub.resolve(target, None, ["config.json", *COPY_PATTERNS])
+    target_path = hub.resolve(target, None, ["config.json", *SIDE_FILES])
     if any(f.name.startswith("tokenizer") for f in converted.copy):
         ours, theirs = load_tokenizer(path).get_vocab(), load_tokenizer(target_path).get_vocab()
         if ours != theirs:

@@ -1,4 +1,4 @@
-"""`mlx-spec`: generate | bench | doctor | convert.
+"""`mlx-spec`: generate | bench | doctor | convert | distill.
 
 Bad input ends with one line on stderr naming the file, field or flag, and exit
 code 2.
@@ -13,6 +13,7 @@ from typing import Callable
 
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlx_spec.convert import cli as convert_cli
+from mlx_spec.train import cli as train_cli
 from mlx_spec.errors import UserError
 
 
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     convert_cli.add_parser(sub)
+    train_cli.add_parser(sub)
     return parser
 
 

@@ -17,6 +17,23 @@ from typing import Callable, Mapping
 
 import mlx.core as mx
 
+# What a model folder holds besides config and weights: tokenizer and generation settings.
+SIDE_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.*",
+    "generation_config.json",
+)
+
+
+def side_files(directory: Path) -> list[Path]:
+    return sorted({f for pattern in SIDE_FILES for f in directory.glob(pattern) if f.is_file()})
+
+
 MAX_SHARD_BYTES = 5 << 30  # as mlx-lm: shards of at most 5 GiB
 
 
@@ -61,3 +78,21 @@ def replace_atomically(out: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_model_files(out: Path, config: dict, weights: Mapping[str, mx.array], source: Path) -> None:
+    """Config, weights and `source`'s tokenizer files into the folder `out`, which
+    may hold other things (a training run's checkpoint): each file is written
+    whole and renamed into place, config.json last."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".export.{secrets.token_hex(4)}.partial"
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_weights(tmp, weights)
+        for f in side_files(source):
+            shutil.copyfile(f, tmp / f.name)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

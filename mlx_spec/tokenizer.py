@@ -27,3 +27,9 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, chat_template: bool 
     bos = tokenizer.bos_token
     ids = tokenizer.encode(prompt, add_special_tokens=bos is not None and not prompt.startswith(bos))
     return list(ids)
+
+
+def check_same_vocab(ours: TokenizerWrapper, theirs: TokenizerWrapper, where: str, whose: str) -> None:
+    """Refuse two models whose tokenizers map tokens to ids differently."""
+    if ours.get_vocab() != theirs.get_vocab():
+        raise UserError(f"{where}: its tokenizer differs from {whose}'s; they must share one vocabulary")

@@ -39,13 +39,13 @@ def make_drafter(
         from mlx_spec.drafters.suffix import SuffixDecoding
 
         return SuffixDecoding()
-    from mlx_spec.drafters.draft_model import DraftModel, check_same_tokenizer
+    from mlx_spec.drafters.draft_model import DraftModel
     from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
 
     model, path = load_model(source, revision)
     if target_tokenizer is not None:
-        check_same_tokenizer(target_tokenizer, load_tokenizer(Path(path)), source)
+        check_same_vocab(load_tokenizer(Path(path)), target_tokenizer, f"--drafter {spec}", "the target")
     return DraftModel(model, target_vocab)
 
 

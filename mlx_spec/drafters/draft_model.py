@@ -11,7 +11,6 @@ import mlx.core as mx
 
 from mlx_spec.cache import KVCache, trim_cache
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams, log_probs
 
@@ -94,12 +93,3 @@ class DraftModel(Drafter):
         # The cache now holds the context and every draft token but the last.
         self.cached.extend(draft[:-1].tolist())
         return Draft(draft, mx.stack(dists) if dists else None)  # log_probs [K, V]
-
-
-def check_same_tokenizer(target_tok, draft_tok, draft_path: str) -> None:
-    """Refuse a draft model whose tokenizer differs from the target's."""
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise UserError(
-            f"{draft_path}: the draft model's tokenizer differs from the target's; "
-            "speculative decoding needs the same vocabulary"
-        )

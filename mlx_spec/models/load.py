@@ -80,8 +80,12 @@ def checked_weights(
     return model, weights
 
 
-def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, Path]:
-    """Build the target described by `config.json` and load its safetensors."""
+def load_model(path_or_repo: str, revision: str | None = None, for_training: bool = False) -> tuple[Model, Path]:
+    """Build the target described by `config.json` and load its safetensors.
+
+    For inference the layers are compiled; `for_training` leaves them eager
+    (compiled layers hold the weights they were traced with).
+    """
     path = hub.resolve(path_or_repo, revision)
     config_path = path / "config.json"
     config = read_json(config_path)
@@ -95,5 +99,6 @@ def load_model(path_or_repo: str, revision: str | None = None) -> tuple[Model, P
         mx.eval(model.parameters())
     except RuntimeError as e:
         raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
-    model.compile()
+    if not for_training:
+        model.compile()
     return model, path

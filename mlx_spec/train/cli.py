@@ -1,0 +1,128 @@
+"""`mlx-spec distill`: train a student on a teacher's distributions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mlx_spec.errors import UserError
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Flags every training command shares."""
+    p.add_argument("--data", required=True, help="a .jsonl file, or a folder with train.jsonl (and valid.jsonl)")
+    p.add_argument("-o", "--out", required=True, type=Path, help="the trained model's folder")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--grad-checkpoint", action="store_true", help="recompute activations: less memory")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end)")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--no-pack", action="store_true", help="pad examples by length instead of packing them")
+    p.add_argument("--mask-prompt", action="store_true", help="train on the answers only")
+    p.add_argument("--valid-fraction", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT's checkpoint")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning)")
+    p.add_argument("--lora-scale", type=float, default=20.0)
+    p.add_argument("--fuse", action="store_true", help="with --lora-rank: write a plain model with the adapters fused")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "distill",
+        help="train a student model on a teacher's distributions",
+        description="Knowledge distillation; OUT is a model folder that generate and --drafter draft=OUT load.",
+    )
+    p.add_argument("--teacher", required=True, help="teacher model: folder or Hub repo id")
+    p.add_argument("--student", required=True, help="student model to start from: folder or Hub repo id")
+    p.add_argument("--loss", default="kl", help="kl (softened KL plus alpha x cross-entropy) | mse (on logits)")
+    p.add_argument("--temperature", type=float, default=2.0)
+    p.add_argument("--alpha", type=float, default=0.5, help="weight of the cross-entropy on the labels")
+    p.add_argument("--teacher-topk", type=int, default=0, help="cache the teacher's top-k logits on disk (0: on the fly)")
+    p.add_argument("--on-policy", type=float, default=0.0, help="fraction of batches the student writes itself")
+    p.add_argument("--beta", type=float, default=0.5, help="on-policy: generalised JSD beta (0 forward KL, 1 reverse KL)")
+    add_train_args(p)
+    p.set_defaults(func=run)
+
+
+def prepare_student(args: argparse.Namespace):
+    """The student, loaded for training, with LoRA adapters when asked."""
+    from mlx_spec.models import load_model
+
+    student, path = load_model(args.student, for_training=True)
+    if args.lora_rank < 0:
+        raise UserError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if args.fuse and not args.lora_rank:
+        raise UserError("--fuse needs --lora-rank")
+    if args.lora_rank:
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        student.freeze()
+        config = {"rank": args.lora_rank, "scale": args.lora_scale, "dropout": 0.0}
+        linear_to_lora_layers(student, len(student.layers), config)
+    return student, path
+
+
+def export(args: argparse.Namespace, student, student_path: Path) -> None:
+    """Write OUT: a plain model folder (LoRA fused), or the base plus adapters."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_spec.files import write_model_files
+    from mlx_spec.models.load import read_json
+
+    config = read_json(student_path / "config.json")
+    if args.lora_rank and args.fuse:
+        fused = [(name, m.fuse()) for name, m in student.named_modules() if hasattr(m, "fuse")]
+        student.update_modules(tree_unflatten(fused))
+    if args.lora_rank and not args.fuse:
+        config["lora"] = {"rank": args.lora_rank, "scale": args.lora_scale}
+    write_model_files(args.out, config, dict(tree_flatten(student.parameters())), student_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
+    from mlx_spec.train.data import Batches, load_splits
+    from mlx_spec.train.distill import DistillBatches, DistillConfig, TeacherCache, agreement, make_objective
+    from mlx_spec.train.trainer import TrainConfig, Trainer
+
+    dconfig = DistillConfig(args.loss, args.temperature, args.alpha, args.teacher_topk, args.on_policy, args.beta, args.seed)
+    dconfig.check()
+    tconfig = TrainConfig(
+        out=args.out, steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+        grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, save_every=args.save_every, progress=not args.quiet,
+    )
+    tconfig.check()
+    teacher, teacher_path = load_model(args.teacher, for_training=True)
+    teacher.freeze()
+    student, student_path = prepare_student(args)
+    tokenizer = load_tokenizer(student_path)
+    check_same_vocab(tokenizer, load_tokenizer(teacher_path), f"--student {args.student}", "the teacher")
+    train, valid = load_splits(args.data, tokenizer, args.valid_fraction)
+    eos = next(iter(tokenizer.eos_token_ids))
+    shape = dict(batch_size=args.batch_size, seq_len=args.seq_len, eos=eos, pack=not args.no_pack,
+                 mask_prompt=args.mask_prompt, seed=args.seed)
+    batches, valid_batches = Batches(train, **shape), Batches(valid, **shape)
+    cache = TeacherCache(args.out / "teacher_cache", teacher, batches, args.teacher_topk) if args.teacher_topk else None
+    n_eval = min(args.eval_batches, len(valid_batches))
+    trainer = Trainer(
+        student,
+        make_objective(teacher, dconfig),
+        DistillBatches(batches, student, dconfig, cache),
+        tconfig,
+        valid=valid_batches,
+        evaluate=lambda m: agreement(m, teacher, valid_batches, n_eval),
+    )
+    result = trainer.fit(resume=args.resume)
+    export(args, student, student_path)
+    print(json.dumps({"out": str(args.out), **result}))
+    return 0
