@@ -50,6 +50,16 @@ def _quantize(model: Model, q: dict, weights: dict, source: Path) -> None:
     nn.quantize(model, group_size, bits, mode=q.get("mode", "affine"), class_predicate=predicate)
 
 
+def _add_lora(model: Model, lora: dict, source: Path) -> None:
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    try:
+        config = {"rank": int(lora["rank"]), "scale": float(lora["scale"]), "dropout": 0.0}
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{source}: 'lora' needs a numeric 'rank' and 'scale'") from None
+    linear_to_lora_layers(model, len(model.layers), config)
+
+
 def checked_weights(
     config: dict, config_path: Path, weights: Mapping[str, mx.array], origin: dict[str, Path], path: Path
 ) -> tuple[Model, dict[str, mx.array]]:
@@ -66,6 +76,8 @@ def checked_weights(
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     if args.quantization:
         _quantize(model, args.quantization, weights, config_path)
+    if "lora" in config:  # LoRA adapters kept apart from the base weights (mlx-spec distill/train)
+        _add_lora(model, config["lora"], config_path)
     expected = dict(tree_flatten(model.parameters()))
     for name in expected.keys() - weights.keys():
         raise UserError(f"{path}: checkpoint lacks weight '{name}'")

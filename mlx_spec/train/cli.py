@@ -24,6 +24,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end)")
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--log-every", type=int, default=10, help="steps between lines of OUT/train_log.jsonl")
     p.add_argument("--no-pack", action="store_true", help="pad examples by length instead of packing them")
     p.add_argument("--mask-prompt", action="store_true", help="train on the answers only")
     p.add_argument("--valid-fraction", type=float, default=0.05)
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     tconfig = TrainConfig(
         out=args.out, steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, save_every=args.save_every, progress=not args.quiet,
+        eval_batches=args.eval_batches, save_every=args.save_every, log_every=args.log_every,
+        progress=not args.quiet,
     )
     tconfig.check()
     teacher, teacher_path = load_model(args.teacher, for_training=True)
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         evaluate=lambda m: agreement(m, teacher, valid_batches, n_eval),
     )
     result = trainer.fit(resume=args.resume)
-    export(args, student, student_path)
-    print(json.dumps({"out": str(args.out), **result}))
+    if trainer.group.rank() == 0:
+        export(args, student, student_path)
+        print(json.dumps({"out": str(args.out), **result}))
     return 0
