@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 import time
@@ -182,7 +183,8 @@ class Trainer:
 
     def _run_eval(self) -> dict[str, float]:
         self.model.eval()
-        record = {"step": self.step, "valid_loss": self.validation_loss()}
+        loss = self.validation_loss()
+        record = {"step": self.step, "valid_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
         if self.evaluate is not None:
             record.update(self.evaluate(self.model))
         self.model.train()
