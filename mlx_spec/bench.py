@@ -80,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> str:
     model, path = load_model(args.model, args.revision)
     tokenizer = load_tokenizer(path)
     ref_model, _ = mlx_lm_load(str(path))
-    prompt = encode_prompt(tokenizer, args.prompt)
+    prompt = encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template)
     n = args.max_tokens
     spec = args.drafter
     drafter = make_drafter(spec, model.args.vocab_size, tokenizer, args.revision) if spec != "none" else None

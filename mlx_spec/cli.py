@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--runs", type=int, default=5, help="timed rounds (each runs every row)")
     b.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to measure")
+    b.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     b.add_argument("--drafter", default="none", help="also measure speculative decoding with this drafter")
     b.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round (default: adaptive)")
     b.add_argument("--json", action="store_true")

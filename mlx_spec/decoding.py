@@ -97,15 +97,18 @@ class DraftLength:
     case acceptance has changed.
     """
 
-    PROBE_EVERY = 16
-    DECAY = 0.9  # weight of the past in the running estimates
+    PROBE_EVERY = 4  # plain rounds between two probes
+    PROBE_K = 2
+    DECAY = 0.8  # weight of the past in the running estimates
 
     def __init__(self, k_max: int, adaptive: bool):
         self.k_max, self.adaptive = k_max, adaptive
-        self.accepted, self.reached = 1.0, 2.0  # prior: alpha = 0.5
+        self.accepted, self.reached = 0.8, 1.0  # prior: alpha = 0.8, weak
         self.draft_cost: float | None = None  # seconds per drafted token
         self.verify_cost: dict[int, float] = {}  # K -> seconds per verification of K + 1 tokens
         self.plain_rounds = 0
+        self.seen: set[int] = set()  # lengths verified at least once
+        self.last_k = -1
 
     def verify_time(self, k: int) -> float:
         """Measured, or from a line through the measured lengths (flat with one)."""
@@ -131,15 +134,23 @@ class DraftLength:
         if k == 0:
             self.plain_rounds += 1
             if self.plain_rounds % self.PROBE_EVERY == 0:
-                return 1
+                return min(self.PROBE_K, self.k_max)
         return k
 
     def update(self, k: int, n: int, draft_time: float, verify_time: float) -> None:
         d = self.DECAY
-        self.verify_cost[k] = _ema(self.verify_cost.get(k), verify_time, d)
+        # A length's first round also traces and compiles its graphs: not a cost to learn from.
+        first = k not in self.seen
+        self.seen.add(k)
+        # After plain rounds, a drafter first catches up on the tokens it missed.
+        catching_up = self.last_k == 0
+        self.last_k = k
+        if not first:
+            self.verify_cost[k] = _ema(self.verify_cost.get(k), verify_time, d)
         if k == 0:
             return
-        self.draft_cost = _ema(self.draft_cost, draft_time / k, d)
+        if not (first or catching_up):
+            self.draft_cost = _ema(self.draft_cost, draft_time / k, d)
         # Position i is reached when the drafts before it were all accepted.
         self.accepted = d * self.accepted + n
         self.reached = d * self.reached + n + (n < k)

@@ -303,7 +303,7 @@ def test_draft_length_follows_acceptance_and_costs():
     for _ in range(30):
         bad.update(4, 0, draft_time=4 * 0.5, verify_time=1.0)  # costly drafts, none accepted
     assert bad.next() == 0
-    assert any(bad.next() == 1 for _ in range(DraftLength.PROBE_EVERY))  # probes again
+    assert any(bad.next() > 0 for _ in range(DraftLength.PROBE_EVERY))  # probes again
     # A verification that grows with its length shortens the draft.
     steep = DraftLength(8, adaptive=True)
     for k, t in ((1, 1.0), (8, 4.0)):

@@ -110,7 +110,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, mask, cache, positions) -> mx.array:
         offset = cache.offset if cache is not None else 0
         fast = getattr(self, "_compiled", None)
-        if fast is None:
+        if fast is None or x.shape[1] > COMPILED_MAX_TOKENS:
             q, k, v = self.pre(x, offset, positions)
             return self.post(x, self.self_attn.attend(q, k, v, mask, cache))
         if positions is None:
@@ -118,6 +118,12 @@ class DecoderLayer(nn.Module):
         else:
             q, k, v = fast.pre_positions(x, positions)
         return fast.post(x, self.self_attn.attend(q, k, v, mask, cache))
+
+
+# Decoding and verification run few tokens at a time, always the same few
+# lengths: those are compiled (one trace per length). Prompts come in every
+# length, and are long enough that the eager overhead does not matter.
+COMPILED_MAX_TOKENS = 16
 
 
 class _CompiledLayer:
