@@ -26,3 +26,22 @@ def checkpoints(tmp_path_factory) -> dict:
     )
     out["llama-sharded"] = make_checkpoint(root / "llama-sharded", "llama", seed=0, shards=3)
     return out
+
+
+def _fast_blas_env() -> dict:
+    # Training needs no bit-exactness, and the reference BLAS selected above
+    # makes it several times slower: train in a child process with OpenBLAS.
+    return {k: v for k, v in os.environ.items() if k != "MLX_SPEC_NO_OPENBLAS"}
+
+
+@pytest.fixture(scope="session")
+def copy_model(tmp_path_factory):
+    """A tiny Qwen3 trained (here, for a few hundred steps) to continue a
+    segment it has seen earlier in its context."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("copy")
+    code = f"from mlx_spec.testing import train_copy_model; train_copy_model({str(out)!r})"
+    subprocess.run([sys.executable, "-c", code], env=_fast_blas_env(), check=True, timeout=600)
+    return out

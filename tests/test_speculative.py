@@ -315,3 +315,26 @@ def test_draft_length_follows_acceptance_and_costs():
             flat.update(k, k // 2, draft_time=0.01 * k, verify_time=1.0)
     assert steep.next() < flat.next()
     assert DraftLength(5, adaptive=False).next() == 5
+
+
+@pytest.mark.parametrize("kind", ["lookup", "suffix"])
+def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
+    """The seed's timetable shape: the prompt states a text, then starts to
+    repeat it; drafts copied from the context are accepted wholesale."""
+    from mlx_spec.metrics import Metrics
+    from mlx_spec.testing import copy_segment, copy_token_ids
+
+    model, _ = load_model(str(copy_model))
+    ids = copy_token_ids(copy_model)
+    rng = np.random.default_rng(7)
+    metrics = Metrics()
+    for _ in range(8):
+        segment = copy_segment(rng, ids, (14, 16))
+        prompt = segment + segment[:3]
+        rest = len(segment) - 3
+        drafter = PromptLookup(1, 3) if kind == "lookup" else SuffixDecoding()
+        events = list(speculative_steps(model, prompt, GREEDY, rest, drafter))
+        assert tokens_of(events) == tokens_of(plain_steps(model, prompt, GREEDY, rest))
+        for e in events:
+            metrics.add(e)
+    assert metrics.tau >= 3.0, metrics.tau

@@ -67,16 +67,14 @@ class TrainConfig:
             raise UserError(f"--lr must be > 0, got {self.lr}")
 
 
-def lr_schedule(config: TrainConfig) -> Callable[[mx.array], mx.array]:
-    """Linear warmup to `lr`, then cosine decay to `final_lr_fraction * lr`."""
-    warmup = min(config.warmup, config.steps // 2)
-    decay = optim.cosine_decay(
-        config.lr, max(config.steps - warmup, 1), end=config.lr * config.final_lr_fraction
-    )
+def lr_schedule(lr: float, steps: int, warmup: int, final_fraction: float = 0.1) -> Callable[[mx.array], mx.array]:
+    """Linear warmup to `lr`, then cosine decay to `final_fraction * lr` at `steps`."""
+    warmup = min(warmup, steps // 2)
+    decay = optim.cosine_decay(lr, max(steps - warmup, 1), end=lr * final_fraction)
     if warmup <= 0:
         return decay
     # The ramp starts one step in, so the first update is not wasted at lr 0.
-    ramp = optim.linear_schedule(config.lr / warmup, config.lr, warmup)
+    ramp = optim.linear_schedule(lr / warmup, lr, warmup)
     return optim.join_schedules([ramp, decay], [warmup])
 
 
@@ -93,7 +91,8 @@ class Trainer:
         config.check()
         self.model, self.objective, self.batches, self.config = model, objective, batches, config
         self.valid, self.evaluate = valid, evaluate
-        self.optimizer = optim.AdamW(lr_schedule(config), weight_decay=config.weight_decay)
+        schedule = lr_schedule(config.lr, config.steps, config.warmup, config.final_lr_fraction)
+        self.optimizer = optim.AdamW(schedule, weight_decay=config.weight_decay)
         self.group = mx.distributed.init()
         self.step = 0
         self.stop_requested = False
