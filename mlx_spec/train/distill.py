@@ -53,6 +53,11 @@ def kd_loss(
     s, t = common_vocab(student_logits.astype(mx.float32), teacher_logits.astype(mx.float32))
     log_s = nn.log_softmax(s / temperature, axis=-1)
     log_t = nn.log_softmax(mx.stop_gradient(t) / temperature, axis=-1)
+    return _softened_kl_plus_ce(log_t, log_s, student_logits, labels, mask, temperature, alpha)
+
+
+def _softened_kl_plus_ce(log_t, log_s, student_logits, labels, mask, temperature, alpha) -> mx.array:
+    """t^2 KL from the teacher's log-probs to the student's (same support), plus alpha CE."""
     kl = (mx.exp(log_t) * (log_t - log_s)).sum(axis=-1)  # [B, S]
     loss = temperature**2 * masked_mean(kl, mask)
     if alpha:
@@ -73,11 +78,7 @@ def topk_kd_loss(
     log_s = nn.log_softmax(student_logits.astype(mx.float32) / temperature, axis=-1)
     log_t = nn.log_softmax(top_values.astype(mx.float32) / temperature, axis=-1)  # [B, S, k]
     log_s_k = mx.take_along_axis(log_s, top_indices, axis=-1)
-    kl = (mx.exp(log_t) * (log_t - log_s_k)).sum(axis=-1)
-    loss = temperature**2 * masked_mean(kl, mask)
-    if alpha:
-        loss = loss + alpha * masked_mean(nn.losses.cross_entropy(student_logits, labels), mask)
-    return loss
+    return _softened_kl_plus_ce(log_t, log_s_k, student_logits, labels, mask, temperature, alpha)
 
 
 def mse_loss(student_logits: mx.array, teacher_logits: mx.array, mask: mx.array) -> mx.array:
