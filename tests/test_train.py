@@ -135,3 +135,17 @@ def test_grad_checkpoint_gives_the_same_gradients():
     _, ckpt = nn.value_and_grad(model, lm_objective)(model, batch)
     a, b = dict(tree_flatten(plain)), dict(tree_flatten(ckpt))
     assert max(mx.abs(a[k] - b[k]).max().item() for k in a) < 1e-6
+
+
+def test_packing_keeps_long_examples_whole():
+    """Packed rows cut an example longer than a row into several rows; padded
+    rows keep only its start."""
+    from mlx_spec.train.data import Batches, Example
+
+    long, short = Example(list(range(1, 40)), 0), Example([50, 51, 52], 0)
+    packed = Batches([long, short], batch_size=1, seq_len=9, eos=0)
+    flat = [t for toks, _ in packed.rows for t in toks]
+    assert flat == list(range(1, 40)) + [0, 50, 51, 52, 0][: len(flat) - 39]
+    assert len(packed.rows) == (39 + 1 + 3 + 1) // 10
+    padded = Batches([long, short], batch_size=1, seq_len=9, eos=0, pack=False)
+    assert sorted(len(toks) for toks, _ in padded.rows) == [3, 10]

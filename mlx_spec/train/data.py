@@ -123,7 +123,8 @@ class Batches:
         self.batch_size, self.seed = batch_size, seed
         rows = []
         for ex in examples:
-            toks = ex.tokens[: seq_len + 1]
+            # Packed rows cut long examples into several; padded rows keep their start.
+            toks = ex.tokens if pack else ex.tokens[: seq_len + 1]
             m = [not mask_prompt or i >= ex.prompt_len for i in range(len(toks))]
             rows.append((toks, m))
         if pack:
