@@ -4,8 +4,9 @@ Rows: mlx-spec plain decoding, mlx-lm plain decoding, and with `--drafter`,
 mlx-spec speculative decoding (and mlx-lm's own speculative decoding when the
 drafter is a draft model). Every row decodes the same prompt for the same number
 of tokens from the same checkpoint; rows alternate for `--runs` rounds and we
-report each row's best tokens/s, and the median over rounds of each row's ratio
-to mlx-spec's plain decoding. Decode tokens/s counts the tokens after the first
+report each row's median tokens/s (and tau) over the rounds, and the median over
+rounds of each row's ratio to mlx-spec's plain decoding (at temperature > 0
+each round samples a different text, so one lucky round says little). Decode tokens/s counts the tokens after the first
 (which the prompt pass produces) over the time they took.
 """
 
@@ -35,12 +36,19 @@ class Row:
     decode_tps: float = 0.0
     prompt_tps: float = 0.0
     tau: float = 1.0  # tokens per target forward
-    ratios: list[float] = field(default_factory=list)  # against plain mlx-spec, per round
+    ratio: float = 0.0  # to plain mlx-spec
+    runs: list[tuple[float, float, float, float]] = field(default_factory=list)  # (ratio, decode, prompt, tau)
     tokens: list[int] = field(default_factory=list)
 
-    @property
-    def ratio(self) -> float:
-        return sorted(self.ratios)[len(self.ratios) // 2] if self.ratios else 0.0
+    def add(self, ratio: float, decode_tps: float, prompt_tps: float, tau: float) -> None:
+        self.runs.append((ratio, decode_tps, prompt_tps, tau))
+        self.ratio, self.decode_tps, self.prompt_tps, self.tau = (
+            _median([r[i] for r in self.runs]) for i in range(4)
+        )
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def time_run(tokens: Iterator[tuple[int, bool, bool]], n_prompt: int, max_tokens: int):
@@ -83,7 +91,7 @@ def run_bench(args: argparse.Namespace) -> str:
     prompt = encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template)
     n = args.max_tokens
     spec = args.drafter
-    drafter = make_drafter(spec, model.args.vocab_size, tokenizer, args.revision) if spec != "none" else None
+    drafter = make_drafter(spec, model, tokenizer, args.revision) if spec != "none" else None
 
     runners: dict[str, Runner] = {
         "mlx-spec": lambda p: _events(plain_steps(model, prompt, p, n)),
@@ -116,10 +124,8 @@ def run_bench(args: argparse.Namespace) -> str:
             timed = {name: time_run(run(params), len(prompt), n) for name, run in runners.items()}
             base = timed["mlx-spec"][1]
             for name, (ptps, dtps, tau, tokens) in timed.items():
-                row = table[name]
-                row.ratios.append(dtps / base)
-                if dtps > row.decode_tps:
-                    row.decode_tps, row.prompt_tps, row.tau, row.tokens = dtps, ptps, tau, tokens
+                table[name].add(dtps / base, dtps, ptps, tau)
+                table[name].tokens = tokens
         rows += table.values()
 
     params_count = sum(v.size for _, v in tree_flatten(model.parameters()))
