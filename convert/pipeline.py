@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_spec import hub
-from mlx_spec.convert import llama
+from mlx_spec.convert import llama, medusa
 from mlx_spec.convert.family import Family, Source
 from mlx_spec.convert.output import check_out, write_atomically
 from mlx_spec.files import save_weights
@@ -28,7 +28,7 @@ from mlx_spec.models.load import read_json
 
 # Tried in order, the first match wins: drafter families whose configs also say
 # "llama" or "qwen3" go before `llama`.
-FAMILIES: tuple[Family, ...] = (llama,)
+FAMILIES: tuple[Family, ...] = (medusa, llama)
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -95,6 +95,10 @@ def convert(
     check_out(out, force)  # before downloading anything
     source = read_source(source_name, revision)
     family = detect(source)
+    if q_bits and not getattr(family, "QUANTIZABLE", True):  # before anything big is fetched
+        raise UserError(
+            f"--quantize: {family.NAME} checkpoints cannot be quantized (they are loaded unquantized); convert without -q"
+        )
     path = family.fetch(source)
     converted = family.convert(path, source)
     if q_bits and "quantization" in converted.config:

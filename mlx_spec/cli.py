@@ -47,11 +47,47 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="none",
-        help="none | lookup | suffix | draft=PATH_OR_REPO (default: none, plain decoding)",
+        help="none | lookup | suffix | draft=PATH_OR_REPO | medusa=PATH_OR_REPO (default: none, plain decoding)",
     )
-    p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round (default: adaptive)")
+    p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
     p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
     p.add_argument("--ngram-max", type=int, default=4, help="lookup: longest n-gram to match")
+    p.add_argument("--tree", default=None, metavar="PATHS_JSON",
+                   help="tree drafters: a static tree as a JSON list of paths, or a file holding one "
+                        "(default: Medusa's mc_sim_7b_63)")
+    p.add_argument("--tree-budget", type=int, default=None, help="tree drafters: a best-first tree of N nodes")
+    p.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
+                   help="typical: Medusa's rule, faster at temperature > 0 but NOT distribution-preserving")
+
+
+def _tree_paths(value: str | None) -> list[list[int]] | None:
+    """`--tree`: JSON paths inline or in a file, checked."""
+    from pathlib import Path
+
+    from mlx_spec.tree import from_paths
+
+    if value is None:
+        return None
+    where = "--tree"
+    text = value
+    if not value.lstrip().startswith("["):
+        path = Path(value)
+        if not path.is_file():
+            raise UserError(f"--tree {value}: neither a JSON list nor a file")
+        where, text = str(path), path.read_text()
+    try:
+        paths = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: invalid JSON ({e})") from None
+    if not (isinstance(paths, list) and paths and all(
+        isinstance(p, list) and p and all(isinstance(r, int) and r >= 0 for r in p) for p in paths
+    )):
+        raise UserError(f"{where}: expected a list of paths, each a list of ranks >= 0, e.g. [[0], [0, 0], [1]]")
+    try:
+        from_paths(paths)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+    return paths
 
 
 def _steps(args: argparse.Namespace, model, tokenizer):
@@ -63,12 +99,17 @@ def _steps(args: argparse.Namespace, model, tokenizer):
 
     if args.num_draft is not None and args.num_draft < 1:
         raise UserError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if args.tree_budget is not None and args.tree_budget < 1:
+        raise UserError(f"--tree-budget must be >= 1, got {args.tree_budget}")
+    if args.tree is not None and args.tree_budget is not None:
+        raise UserError("--tree and --tree-budget: give one of them")
     drafter = make_drafter(
-        args.drafter, model.args.vocab_size, tokenizer, args.revision, (args.ngram_min, args.ngram_max)
+        args.drafter, model, tokenizer, args.revision, (args.ngram_min, args.ngram_max),
+        _tree_paths(args.tree), args.tree_budget,
     )
     if drafter is None:
         return plain_steps
-    return partial(speculative_steps, drafter=drafter, num_draft=args.num_draft)
+    return partial(speculative_steps, drafter=drafter, num_draft=args.num_draft, acceptance=args.acceptance)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

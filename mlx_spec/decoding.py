@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_spec.cache import KVCache, trim_cache
+from mlx_spec import tree
+from mlx_spec.attention import TreeMask
+from mlx_spec.cache import KVCache, keep_cache, trim_cache
 from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
-from mlx_spec.sampling import SamplingParams, accept_greedy, accept_sampled, sample
+from mlx_spec.sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    accept_tree_typical,
+    sample,
+)
 
 PREFILL_STEP = 512
 
@@ -25,21 +36,39 @@ PREFILL_STEP = 512
 class StepEvent:
     tokens: list[int]  # committed this step, in order
     from_draft: list[bool]  # which of `tokens` came from the draft
-    drafted: list[int] = field(default_factory=list)  # what the drafter proposed
+    drafted: list[int] = field(default_factory=list)  # what the drafter proposed (a tree's nodes in order)
     draft_time: float = 0.0  # seconds
     verify_time: float = 0.0
+    tree_depth: int | None = None  # for a tree draft: its depth
+
+    @property
+    def depth(self) -> int:
+        """Draft positions verified this round: a chain's length, a tree's depth."""
+        return len(self.drafted) if self.tree_depth is None else self.tree_depth
 
     @property
     def accepted(self) -> int:
         return sum(self.from_draft)
 
 
-def prefill(model: Model, tokens: Sequence[int], cache: list[KVCache]) -> None:
-    """Run `tokens` through the target to fill the cache; no logits are evaluated."""
+def prefill(
+    model: Model,
+    tokens: Sequence[int],
+    cache: list[KVCache],
+    capture: tuple[int, ...] = (),
+    consume: Callable[[int, tuple[mx.array, ...]], None] | None = None,
+) -> None:
+    """Run `tokens` through the target to fill the cache; no logits are evaluated.
+
+    With `capture`, `consume(end, hidden)` receives each chunk's hidden states
+    (`[1, chunk, H]` per index), `end` being where the chunk stops in `tokens`.
+    """
     ids = mx.array(tokens)
     for start in range(0, len(tokens), PREFILL_STEP):
-        model(ids[None, start : start + PREFILL_STEP], cache)
-        mx.eval([c.state for c in cache])
+        _, hidden = model(ids[None, start : start + PREFILL_STEP], cache, capture=capture)
+        mx.eval([c.state for c in cache], hidden)
+        if consume is not None:
+            consume(min(start + PREFILL_STEP, len(tokens)), hidden)
 
 
 def plain_steps(
@@ -156,6 +185,54 @@ class DraftLength:
         self.reached = d * self.reached + n + (n < k)
 
 
+def _verify_chain(model, cache, context, draft, params, capture):
+    """One target forward over [last context token] + chain -> (accepted node indices, next token, hidden)."""
+    k = len(draft)
+    inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
+    logits, hidden = model(inputs[None], cache, capture=capture)  # [1, K+1, V]
+    logits = logits[0]
+    if k == 0:
+        n, token = mx.array(0), sample(logits[-1], params)
+    elif params.greedy:
+        n, token = accept_greedy(logits, draft.tokens)
+    else:
+        n, token = accept_sampled(logits, draft.tokens, draft.log_probs, params)
+    mx.eval(n, token)
+    n = n.item()
+    trim_cache(cache, k - n)
+    return list(range(n)), token.item(), hidden
+
+
+def _verify_tree(model, cache, context, draft, params, capture, acceptance):
+    """One target forward over [last context token] + tree -> (accepted path, next token, hidden)."""
+    parents = draft.parents
+    start = cache[0].offset  # the last context token's slot
+    inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
+    positions = mx.array([0] + tree.depths(parents)) + start
+    mask = TreeMask((-1, *(p + 1 for p in parents)), start)
+    logits, hidden = model(inputs[None], cache, positions=positions[None], mask=mask, capture=capture)
+    logits = logits[0]  # [N+1, V]
+    tokens = draft.tokens.tolist()
+    if params.greedy:
+        path, token = accept_tree_greedy(logits, tokens, parents)
+    elif acceptance == "typical":
+        path, token = accept_tree_typical(logits, tokens, parents, params)
+    else:
+        path, token = accept_tree_sampled(logits, tokens, parents, draft.log_probs, params)
+    keep_cache(cache, [start + 1 + i for i in path], start + 1)
+    return path, token, hidden
+
+
+def _depth_limited(draft: Draft, k: int) -> Draft:
+    """A tree cut to depth <= k, so a round never commits more than k + 1 tokens."""
+    keep = tree.truncate(draft.parents, k)
+    if len(keep) == len(draft):
+        return draft
+    idx = mx.array(keep)
+    lp = draft.log_probs[idx] if draft.log_probs is not None else None
+    return Draft(draft.tokens[idx], lp, tree.subtree(draft.parents, keep))
+
+
 def speculative_steps(
     model: Model,
     prompt: Sequence[int],
@@ -165,45 +242,48 @@ def speculative_steps(
     num_draft: int | None = None,
     k_max: int = 8,
     cache: list[KVCache] | None = None,
+    acceptance: str = "exact",
 ) -> Iterator[StepEvent]:
     """Draft -> one target forward over the draft -> accept -> commit.
 
     Exact: greedy output equals plain greedy decoding token for token, and
-    sampled output is distributed as the target's (see `accept_sampled`).
-    `num_draft` fixes K; otherwise a costly drafter's K adapts (`DraftLength`).
+    sampled output is distributed as the target's (see `accept_sampled` and
+    `accept_tree_sampled`). `num_draft` fixes K (a tree's depth); otherwise a
+    costly drafter's K adapts (`DraftLength`). `acceptance="typical"` is
+    Medusa's lossy rule for trees at temperature > 0.
     """
     if not prompt:
         raise ValueError("the prompt is empty")
+    if acceptance not in ("exact", "typical"):
+        raise UserError(f"--acceptance must be exact or typical, got '{acceptance}'")
     k_max = num_draft or k_max
     cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + k_max + 1)
-    prefill(model, prompt[:-1], cache)
     context = list(prompt)
     drafter.reset(context)
+    # A drafter reading the target's features gets the prompt's as they are computed.
+    consume = (lambda end, hidden: drafter.commit(context[: end + 1], hidden)) if drafter.capture else None
+    prefill(model, prompt[:-1], cache, drafter.capture, consume)
     length = DraftLength(k_max, adaptive=num_draft is None and drafter.costly)
     produced = 0
     while produced < max_tokens:
         k = min(length.next(), max_tokens - produced - 1)  # the round adds one target token
         tic = time.perf_counter()
         draft = drafter.propose(context, k, params) if k > 0 else Draft(mx.array([], dtype=mx.int32))
-        k = len(draft)
+        if draft.parents is not None:
+            draft = _depth_limited(draft, k)
         mid = time.perf_counter()
-        inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
-        logits, _ = model(inputs[None], cache)  # [1, K+1, V]
-        logits = logits[0]
-        if k == 0:
-            n, token = mx.array(0), sample(logits[-1], params)
-        elif params.greedy:
-            n, token = accept_greedy(logits, draft.tokens)
+        if draft.parents is None:
+            path, token, hidden = _verify_chain(model, cache, context, draft, params, drafter.capture)
         else:
-            n, token = accept_sampled(logits, draft.tokens, draft.log_probs, params)
-        mx.eval(n, token)
-        n, token = n.item(), token.item()
+            path, token, hidden = _verify_tree(model, cache, context, draft, params, drafter.capture, acceptance)
         toc = time.perf_counter()
-        trim_cache(cache, k - n)
         drafted = draft.tokens.tolist()
-        tokens = drafted[:n] + [token]
+        tokens = [drafted[i] for i in path] + [token]
         context.extend(tokens)
-        drafter.commit(context)
-        length.update(k, n, mid - tic, toc - mid)
+        rows = mx.array([0] + [i + 1 for i in path])
+        drafter.commit(context, tuple(h[:, rows] for h in hidden))
+        n = len(path)
+        depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
+        length.update(len(draft) if depth is None else depth, n, mid - tic, toc - mid)
         produced += len(tokens)
-        yield StepEvent(tokens, [True] * n + [False], drafted, mid - tic, toc - mid)
+        yield StepEvent(tokens, [True] * n + [False], drafted, mid - tic, toc - mid, depth)

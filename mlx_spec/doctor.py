@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import warnings
 
 from mlx_spec import _blas
 
@@ -34,6 +35,16 @@ def advice(backend_name: str) -> list[str]:
     return tips
 
 
+def tree_attention_path() -> str:
+    """Which tree-attention path verification uses here, and why."""
+    from mlx_spec.attention import default_backend
+
+    # The line carries the reason, so the fallback's warning would only repeat it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return default_backend.describe()
+
+
 def report() -> str:
     import mlx.core as mx
 
@@ -44,6 +55,7 @@ def report() -> str:
         f"mlx       {mx.__version__}",
         f"backend   {name}",
         f"blas      {_blas.describe()}",
+        f"tree attn {tree_attention_path()}",
     ]
     tips = advice(name)
     lines += [f"tip       {t}" for t in tips] or ["tip       nothing to do: this is as fast as MLX gets here"]

@@ -80,8 +80,8 @@ def replace_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_model_files(out: Path, config: dict, weights: Mapping[str, mx.array], source: Path) -> None:
-    """Config, weights and `source`'s tokenizer files into the folder `out`, which
+def write_model_files(out: Path, config: dict, weights: Mapping[str, mx.array], source: Path | None = None) -> None:
+    """Config, weights and `source`'s tokenizer files (if any) into the folder `out`, which
     may hold other things (a training run's checkpoint): each file is written
     whole and renamed into place, config.json last."""
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def write_model_files(out: Path, config: dict, weights: Mapping[str, mx.array], 
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_weights(tmp, weights)
-        for f in side_files(source):
+        for f in side_files(source) if source is not None else []:
             shutil.copyfile(f, tmp / f.name)
         for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
             os.replace(f, out / f.name)

@@ -26,7 +26,7 @@ class Metrics:
         self.accepted += event.accepted
         self.draft_time += event.draft_time
         self.verify_time += event.verify_time
-        n, k = event.accepted, len(event.drafted)
+        n, k = event.accepted, event.depth
         while len(self.reached) < k:
             self.reached.append(0)
             self.accepted_at.append(0)
@@ -50,7 +50,7 @@ class Metrics:
 
     @property
     def draft_overhead(self) -> float:
-        """c: time to draft one token over the time of one target forward."""
+        """c: time to draft one token (a tree: one node) over the time of one target forward."""
         if not self.drafted or not self.verify_time:
             return 0.0
         return (self.draft_time / self.drafted) / (self.verify_time / self.steps)

@@ -12,8 +12,10 @@ from functools import lru_cache
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_spec.errors import UserError
+from mlx_spec.tree import children
 
 
 @dataclass(frozen=True)
@@ -127,3 +129,106 @@ def accept_sampled(
     rows = mx.concatenate([residual, q[K:]], axis=0)  # [K+1, V]
     candidates = mx.random.categorical(mx.log(rows), axis=-1)  # [K+1]
     return n, mx.take(candidates, n)
+
+
+# Acceptance rules for a tree of N draft nodes verified in one target forward
+# (`mlx_spec.tree`). `logits` [N+1, V]: row 0 scores the children of the root
+# (the pending token), row i + 1 those of node i. They walk down from the root
+# on the host and return (path, next): the accepted nodes, root to leaf, and
+# the token that follows them.
+
+
+def accept_tree_greedy(logits: mx.array, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Follow, from the root, the child equal to the target's argmax."""
+    target = mx.argmax(logits, axis=-1).tolist()  # [N+1]
+    kids = children(parents)
+    path, node = [], -1
+    while True:
+        want = target[node + 1]
+        node = next((c for c in kids[node] if tokens[c] == want), None)
+        if node is None:
+            return path, want
+        path.append(node)
+
+
+def _draw(dist: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from a non-negative vector (normalised here)."""
+    cdf = np.cumsum(dist, dtype=np.float64)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(dist) - 1))
+
+
+def accept_tree_sampled(
+    logits: mx.array,
+    tokens: list[int],
+    parents: list[int],
+    draft_log_probs: mx.array | None,
+    params: SamplingParams,
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over siblings (SpecInfer, Sequoia): exact.
+
+    At a node whose children x_1, x_2, ... were drawn from p_1, p_2, ...
+    (`draft_log_probs`, each given the siblings before it; None: one-hot, a
+    deterministic drafter), start from r = q, the target's distribution there.
+    Child x_i is kept with probability min(1, r(x_i) / p_i(x_i)), and the walk
+    moves into it; on rejection r becomes the normalised max(0, r - p_i). When
+    every child is rejected the token is drawn from r. Each trial returns a
+    draw from r, so the walk draws each token from q.
+    """
+    q = mx.exp(log_probs(logits, params))  # [N+1, V]
+    u = mx.random.uniform(shape=(len(tokens) + 1,))  # one per trial, one for the final draw
+    mx.eval(q, u)
+    u = u.tolist()
+    kids = children(parents)
+    path, node = [], -1
+    while True:
+        r = np.array(q[node + 1], dtype=np.float64)
+        for c in kids[node]:
+            x = tokens[c]
+            p = np.exp(np.array(draft_log_probs[c], dtype=np.float64)) if draft_log_probs is not None else None
+            p_x = 1.0 if p is None else p[x]
+            if u.pop() * p_x < r[x]:
+                path.append(c)
+                node = c
+                break
+            if p is None:
+                r[x] = 0.0
+            else:
+                r = np.maximum(r - p, 0.0)
+            total = r.sum()
+            # Zero mass left means this rejection had probability 0: unreachable.
+            r = r / total if total > 0 else np.array(q[node + 1], dtype=np.float64)
+        else:
+            return path, _draw(r, u.pop())
+
+
+def accept_tree_typical(
+    logits: mx.array,
+    tokens: list[int],
+    parents: list[int],
+    params: SamplingParams,
+    threshold: float = 0.09,
+    alpha: float = 0.3,
+) -> tuple[list[int], int]:
+    """Medusa's typical acceptance: NOT distribution-preserving.
+
+    A node is acceptable when the target gives it probability above
+    min(threshold, alpha * exp(-entropy)); the longest acceptable path wins and
+    the next token is sampled from the target after it. Faster at high
+    temperature, but the output is no longer distributed as the target's.
+    """
+    lp = log_probs(logits, params)  # [N+1, V]
+    q = mx.exp(lp)
+    entropy = -(q * mx.where(q > 0, lp, 0.0)).sum(axis=-1)  # [N+1]
+    bar = mx.minimum(threshold, alpha * mx.exp(-entropy))
+    q_x = mx.take_along_axis(q[mx.array(parents) + 1], mx.array(tokens)[:, None], axis=-1)[:, 0]  # [N]
+    ok = (q_x > bar[mx.array(parents) + 1]).tolist()
+    best: list[int] = []
+    kids = children(parents)
+    stack = [(c, [c]) for c in reversed(kids[-1]) if ok[c]]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        stack.extend((c, path + [c]) for c in reversed(kids[node]) if ok[c])
+    last = best[-1] + 1 if best else 0
+    return best, sample(logits[last], params).item()

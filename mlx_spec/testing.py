@@ -219,10 +219,25 @@ def _copy_batches(rng: np.random.Generator, ids: list[int], batch: int, seq_len:
         yield mx.array(np.array(rows, dtype=np.int32))
 
 
-def train_copy_model(out: str | Path, steps: int = 400, seed: int = 0) -> Path:
+def stride_row(rng: np.random.Generator, ids: list[int], length: int) -> list[int]:
+    """Letters walked with a fixed stride (1, 2 or 3) from a random start, cyclically."""
+    start, stride = int(rng.integers(len(ids))), int(rng.integers(1, 4))
+    return [ids[(start + i * stride) % len(ids)] for i in range(length)]
+
+
+def _stride_batches(rng: np.random.Generator, ids: list[int], batch: int, seq_len: int) -> Iterator[mx.array]:
+    while True:
+        yield mx.array(np.array([stride_row(rng, ids, seq_len) for _ in range(batch)], dtype=np.int32))
+
+
+def train_copy_model(out: str | Path, steps: int = 400, seed: int = 0, task: str = "copy") -> Path:
     """A tiny Qwen3 checkpoint trained to copy: after a segment of distinct
     letters and the segment's first tokens again, greedy decoding continues
     the segment (two layers are enough for an induction head).
+
+    `task="stride"` trains it on `stride_row`s instead: every later token
+    follows from the last two, so tokens several steps ahead are predictable
+    from one position's hidden state (what Medusa's heads need).
 
     The model is wider than `make_checkpoint`'s: at width 64 the induction
     head forms several times later. About 20 s on 2 CPU cores with OpenBLAS;
@@ -242,7 +257,8 @@ def train_copy_model(out: str | Path, steps: int = 400, seed: int = 0) -> Path:
     )
     mx.random.seed(seed)
     model = Model(parse_config(config))
-    batches = _copy_batches(np.random.default_rng(seed), copy_token_ids(out), batch=16, seq_len=48)
+    make_batches = _copy_batches if task == "copy" else _stride_batches
+    batches = make_batches(np.random.default_rng(seed), copy_token_ids(out), batch=16, seq_len=48)
     train_lm(model, batches, steps, lr=3e-3, warmup=30)
     write_checkpoint(out, config, dict(tree_flatten(model.parameters())))
     return out

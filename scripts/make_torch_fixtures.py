@@ -15,6 +15,9 @@ tests/fixtures/torch/
   llama-safetensors/  the same weights as model.safetensors: the reference
   llama-sharded/      the same weights as pytorch_model-0000i-of-00002.bin + index
   qwen3-tied/ a tiny Qwen3 whose lm_head.weight shares the embedding's storage
+  medusa/     Medusa-1 heads as FasterDecoding publishes them: medusa_lm_head.pt (bf16,
+              5 heads of 1 layer) with a config.json that claims 2 heads; sized for
+              tests/conftest.py's checkpoints["llama"] (hidden 64, vocabulary 384)
 """
 
 from __future__ import annotations
@@ -116,9 +119,25 @@ def state_dict(config: dict, seed: int) -> OrderedDict:
     return sd
 
 
+def medusa_heads(target: dict, num_heads: int = 5, seed: int = 2) -> OrderedDict:
+    """The state_dict of FasterDecoding's `nn.ModuleList([Sequential(ResBlock, Linear(H, V,
+    bias=False))] * K)`: each head starts as `target`'s LM head with a perturbed block,
+    so its drafts are sometimes accepted."""
+    g = torch.Generator().manual_seed(seed)
+    lm_head = torch.from_numpy(random_weights(target, seed=0)["lm_head.weight"])
+    hidden = target["hidden_size"]
+    sd = OrderedDict()
+    for k in range(num_heads):
+        sd[f"{k}.0.linear.weight"] = 0.05 * torch.randn(hidden, hidden, generator=g)
+        sd[f"{k}.0.linear.bias"] = 0.01 * torch.randn(hidden, generator=g)
+        sd[f"{k}.1.weight"] = lm_head.clone()
+    return OrderedDict((name, w.to(torch.bfloat16)) for name, w in sd.items())
+
+
 def main() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
-    dirs = {name: OUT / name for name in ("tensors", "sharded", "llama", "llama-safetensors", "llama-sharded", "qwen3-tied")}
+    names = ("tensors", "sharded", "llama", "llama-safetensors", "llama-sharded", "qwen3-tied", "medusa")
+    dirs = {name: OUT / name for name in names}
     for d in dirs.values():
         d.mkdir(parents=True)
 
@@ -145,6 +164,11 @@ def main() -> None:
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied: one storage, two names
     (dirs["qwen3-tied"] / "config.json").write_text(json.dumps(qwen3, indent=2))
     torch.save(weights, dirs["qwen3-tied"] / "pytorch_model.bin")
+
+    # conftest's checkpoints["llama"]: make_checkpoint(..., "llama", seed=0), vocabulary 384
+    torch.save(medusa_heads(make_config("llama", vocab_size=384)), dirs["medusa"] / "medusa_lm_head.pt")
+    medusa_config = {"base_model_name_or_path": "tiny-llama", "medusa_num_heads": 2, "medusa_num_layers": 1}
+    (dirs["medusa"] / "config.json").write_text(json.dumps(medusa_config, indent=2) + "\n")
 
     versions = {"torch": torch.__version__, "safetensors": safetensors.__version__}
     (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")

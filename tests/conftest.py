@@ -38,10 +38,20 @@ def _fast_blas_env() -> dict:
 def copy_model(tmp_path_factory):
     """A tiny Qwen3 trained (here, for a few hundred steps) to continue a
     segment it has seen earlier in its context."""
+    return _train_task_model(tmp_path_factory, "copy", 400)
+
+
+@pytest.fixture(scope="session")
+def stride_model(tmp_path_factory):
+    """A tiny Qwen3 trained on letters walked with a stride (`mlx_spec.testing.stride_row`)."""
+    return _train_task_model(tmp_path_factory, "stride", 200)
+
+
+def _train_task_model(tmp_path_factory, task: str, steps: int):
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("copy")
-    code = f"from mlx_spec.testing import train_copy_model; train_copy_model({str(out)!r})"
+    out = tmp_path_factory.mktemp(task)
+    code = f"from mlx_spec.testing import train_copy_model; train_copy_model({str(out)!r}, {steps}, task={task!r})"
     subprocess.run([sys.executable, "-c", code], env=_fast_blas_env(), check=True, timeout=600)
     return out

@@ -46,6 +46,10 @@ def test_doctor_reports_backend_and_blas():
     assert out.returncode == 0
     assert "mlx       " + mx.__version__ in out.stdout
     assert "backend   CPU" in out.stdout or "backend   Metal" in out.stdout
+    tree = "tree attn reference (SDPA + dense mask); Metal kernel: not available (no Metal)"
+    if mx.metal.is_available():
+        tree = "tree attn metal kernel; Metal kernel: passed its self-check"
+    assert tree in out.stdout
     if sys.platform.startswith("linux"):
         assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread
         off = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "1"})
@@ -153,3 +157,45 @@ def test_drafter_errors(checkpoints):
     assert_one_line_error(run(*base, "--drafter", "lookup", "--check", "--temp", "1"), "--check")
     assert_one_line_error(run(*base, "--drafter", "lookup", "--num-draft", "0"), "--num-draft")
     assert_one_line_error(run(*base, "--drafter", "draft=/nonexistent/dir"), "/nonexistent/dir")
+
+
+def test_medusa_tree_flags(checkpoints, tmp_path):
+    from mlx_spec.drafters.medusa import MedusaHeads, save_medusa
+    from mlx_spec.models import load_model
+
+    path = str(checkpoints["qwen3"])
+    target, _ = load_model(path)
+    heads = MedusaHeads(3, 1, target.args.hidden_size, target.args.vocab_size)
+    heads.init_from_target(target)
+    save_medusa(tmp_path / "medusa", heads)
+    save_medusa(tmp_path / "narrow", MedusaHeads(2, 1, target.args.hidden_size // 2, target.args.vocab_size))
+    base = ("generate", "--model", path, "--prompt", "x", "--max-tokens", "12")
+    medusa = ("--drafter", f"medusa={tmp_path / 'medusa'}")
+    (tmp_path / "tree.json").write_text("[[0], [0, 0], [1], [0, 0, 0]]")
+    for tree in (("--tree", "[[0], [1], [0, 0]]"), ("--tree", tmp_path / "tree.json"), ("--tree-budget", "6"), ()):
+        proc = run(*base, *medusa, *tree, "--check", "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["identical_to_plain"] is True
+    proc = run(*base, *medusa, "--acceptance", "typical", "--temp", "1", "--seed", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert_one_line_error(run(*base, *medusa, "--tree", "[[0], [1, 0]]"), "--tree", "[1]")
+    assert_one_line_error(run(*base, *medusa, "--tree", "[0, 1]"), "--tree", "list of paths")
+    assert_one_line_error(run(*base, *medusa, "--tree", "nofile.json"), "--tree", "nofile.json")
+    assert_one_line_error(run(*base, *medusa, "--tree-budget", "0"), "--tree-budget")
+    assert_one_line_error(run(*base, "--drafter", "lookup", "--tree-budget", "4"), "--tree-budget", "lookup")
+    assert_one_line_error(run(*base, "--drafter", f"medusa={tmp_path / 'narrow'}"), "--drafter", "hidden size")
+    assert_one_line_error(run(*base, "--drafter", f"medusa={tmp_path}"), "config.json")
+
+
+def test_bench_rows_and_json(checkpoints):
+    path, draft = checkpoints["qwen3"], checkpoints["llama"]
+    proc = run("bench", "--model", path, "--drafter", f"draft={draft}", "--temps", "0", "1",
+               "--max-tokens", "8", "--runs", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    names = {r["name"] for r in rows}
+    assert names == {"mlx-spec", "mlx-lm", f"mlx-spec draft={draft}", f"mlx-lm draft={draft}"}
+    assert len(rows) == 8 and all(r["decode_tps"] > 0 for r in rows)
+    assert all(r["ratio_to_plain"] == 1.0 for r in rows if r["name"] == "mlx-spec")
+    proc = run("bench", "--model", path, "--max-tokens", "8", "--runs", "1")
+    assert proc.returncode == 0 and "greedy tokens identical across rows: True" in proc.stdout, proc.stdout

@@ -14,29 +14,12 @@ from mlx_spec.drafters.draft_model import DraftModel, common_prefix
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.drafters.suffix import SuffixDecoding
 from mlx_spec.generate import Generation, stream_generate
-from mlx_spec.models import Model, load_model, parse_config
+from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams, log_probs
-from mlx_spec.testing import make_config, random_weights
 from mlx_spec.tokenizer import load_tokenizer
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
-
-
-def tiny(seed: int, vocab: int, logit_scale: float = 1.0, **overrides) -> Model:
-    config = make_config(
-        "qwen3", vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, **overrides,
-    )
-    weights = random_weights(config, seed)
-    weights["model.norm.weight"] *= logit_scale  # flatter or peakier next-token distributions
-    model = Model(parse_config(config))
-    model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
-    return model
-
-
-def tokens_of(events, limit=None):
-    out = [t for e in events for t in e.tokens]
-    return out[:limit] if limit is not None else out
 
 
 class Scripted(Drafter):
@@ -150,38 +133,6 @@ def test_draft_model_reuses_its_cache(target, drafters):
 
 # --- exact sampling ------------------------------------------------------------
 
-V = 4
-STAT_PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-N = 3000
-
-
-def exact_joint(model, prompt, params, n_tokens):
-    """P(t1..tn) under the target's processed distribution, over all V^n sequences."""
-    probs = {}
-    for seq in itertools.product(range(V), repeat=n_tokens):
-        logits, _ = model(mx.array([prompt + list(seq)]))
-        lp = np.array(log_probs(logits[0, len(prompt) - 1 : -1], params))  # [n, V]
-        probs[seq] = float(np.exp(sum(lp[i, t] for i, t in enumerate(seq))))
-    return probs
-
-
-def tv_bound(p, n, quantile=0.999, sims=4000):
-    """The TV distance that N exact draws from p exceed with probability 1e-3."""
-    rng = np.random.default_rng(0)
-    pv = np.array(list(p.values()))
-    draws = rng.multinomial(n, pv / pv.sum(), size=sims) / n
-    return float(np.quantile(0.5 * np.abs(draws - pv).sum(axis=1), quantile))
-
-
-def empirical_tv(model, make_drafter, params, p, n_tokens=3):
-    mx.random.seed(0)
-    counts = dict.fromkeys(p, 0)
-    for _ in range(N):
-        events = speculative_steps(model, STAT_PROMPT, params, n_tokens, make_drafter(), num_draft=3)
-        counts[tuple(tokens_of(events))] += 1
-    return 0.5 * sum(abs(counts[s] / N - p[s]) for s in p)
-
-
 def resample_from_target(logits, draft, draft_log_probs, params):
     """A wrong rule: on rejection, draw from q instead of the residual."""
     K = draft.shape[0]
@@ -283,13 +234,16 @@ def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
     shutil.copytree(checkpoints["llama"], other)
     make_tokenizer(other, vocab_size=300)
     tokenizer = load_tokenizer(checkpoints["qwen3"])
+    target, _ = load_model(str(checkpoints["qwen3"]))
     with pytest.raises(UserError, match="tokenizer differs"):
-        make_drafter(f"draft={other}", 384, tokenizer)
-    assert make_drafter(f"draft={checkpoints['llama']}", 384, tokenizer) is not None
+        make_drafter(f"draft={other}", target, tokenizer)
+    assert make_drafter(f"draft={checkpoints['llama']}", target, tokenizer) is not None
     with pytest.raises(UserError, match="--drafter"):
-        make_drafter("medusa", 384, tokenizer)
+        make_drafter("eagle9", target, tokenizer)
     with pytest.raises(UserError, match="draft=PATH"):
-        make_drafter("draft", 384, tokenizer)
+        make_drafter("draft", target, tokenizer)
+    with pytest.raises(UserError, match="medusa=PATH"):
+        make_drafter("medusa", target, tokenizer)
 
 
 def test_draft_length_follows_acceptance_and_costs():

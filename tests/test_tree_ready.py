@@ -4,7 +4,8 @@ forward, `capture`, and `exit_layer`."""
 import mlx.core as mx
 import pytest
 
-from mlx_spec.attention import ancestor_matrix, tree_mask
+from mlx_spec.attention import tree_mask
+from mlx_spec.tree import ancestor_matrix
 from mlx_spec.models import load_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]

@@ -1,6 +1,7 @@
 """Drafters, one file per method, and `--drafter SPEC` parsing.
 
-SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`.
+SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
+`medusa=PATH_OR_REPO`.
 """
 
 from __future__ import annotations
@@ -9,22 +10,31 @@ from pathlib import Path
 
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
+from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft")
+KINDS = ("none", "lookup", "suffix", "draft", "medusa")
 
 
 def make_drafter(
     spec: str,
-    target_vocab: int,
+    target: Model,
     target_tokenizer=None,
     revision: str | None = None,
     ngram: tuple[int, int] = (1, 4),
+    tree_paths: list[list[int]] | None = None,
+    tree_budget: int | None = None,
 ) -> Drafter | None:
-    """The drafter SPEC names, for a target with `target_vocab` logits; None for plain decoding."""
+    """The drafter SPEC names for `target`; None for plain decoding.
+
+    Tree drafters take `tree_paths` (a static tree) or `tree_budget` (nodes
+    of a best-first tree); by default Medusa's mc_sim_7b_63.
+    """
     kind, _, source = spec.partition("=")
     if kind not in KINDS:
         raise UserError(f"--drafter: unknown kind '{kind}' (known: {', '.join(KINDS)})")
-    needs_source = kind == "draft"
+    if (tree_paths is not None or tree_budget is not None) and kind != "medusa":
+        raise UserError(f"--tree and --tree-budget need a tree drafter (medusa), not '{kind}'")
+    needs_source = kind in ("draft", "medusa")
     if needs_source and not source:
         raise UserError(f"--drafter {kind}: give the model as {kind}=PATH_OR_REPO")
     if source and not needs_source:
@@ -39,6 +49,12 @@ def make_drafter(
         from mlx_spec.drafters.suffix import SuffixDecoding
 
         return SuffixDecoding()
+    if kind == "medusa":
+        from mlx_spec.drafters.medusa import Medusa, load_medusa
+
+        heads, path = load_medusa(source, revision)
+        check_medusa_fits(heads, target, f"--drafter {spec}")
+        return Medusa(heads, target, tree_paths, tree_budget)
     from mlx_spec.drafters.draft_model import DraftModel
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
@@ -46,7 +62,16 @@ def make_drafter(
     model, path = load_model(source, revision)
     if target_tokenizer is not None:
         check_same_vocab(load_tokenizer(Path(path)), target_tokenizer, f"--drafter {spec}", "the target")
-    return DraftModel(model, target_vocab)
+    return DraftModel(model, target.args.vocab_size)
+
+
+def check_medusa_fits(heads, target: Model, what: str) -> None:
+    """Medusa heads read the target's hidden state and predict its vocabulary."""
+    c, a = heads.config, target.args
+    if c["hidden_size"] != a.hidden_size:
+        raise UserError(f"{what}: heads read hidden size {c['hidden_size']}, the target's is {a.hidden_size}")
+    if c["vocab_size"] < a.vocab_size:
+        raise UserError(f"{what}: heads predict {c['vocab_size']} tokens, the target has {a.vocab_size}")
 
 
 __all__ = ["Draft", "Drafter", "make_drafter"]

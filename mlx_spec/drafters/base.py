@@ -12,16 +12,20 @@ from mlx_spec.sampling import SamplingParams
 
 @dataclass
 class Draft:
-    """A chain of proposed tokens.
+    """A chain or a tree of proposed tokens.
 
     `tokens` [K] may still be lazy (the draft model's are), so drafting and
     verification can be evaluated together. `log_probs` [K, V] are the
     distributions the tokens were drawn from; None for a deterministic drafter
-    (the acceptance rule then treats p as one-hot).
+    (the acceptance rule then treats p as one-hot). For a tree, `parents[i]`
+    is node i's parent (-1: a child of the last context token; see
+    `mlx_spec.tree`) and `log_probs[i]` the distribution node i was drawn
+    from given its parent and its earlier siblings.
     """
 
     tokens: mx.array
     log_probs: mx.array | None = None
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -33,6 +37,9 @@ class Drafter(ABC):
     name = "drafter"
     # True when drafting costs model forwards (so the loop weighs its cost).
     costly = False
+    # The target's hidden states this drafter reads (indices as the target's
+    # `capture`); the verification returns them to `commit`.
+    capture: tuple[int, ...] = ()
 
     def reset(self, prompt: list[int]) -> None:
         """A new generation of the same session starts from `prompt`."""
@@ -45,5 +52,12 @@ class Drafter(ABC):
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
         """Up to `k` tokens to follow `context` (the prompt and every committed token)."""
 
-    def commit(self, context: list[int]) -> None:
-        """The target accepted up to the end of `context`; drop stale state."""
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        """The target accepted up to the end of `context`; drop stale state.
+
+        `features` hold, per `capture` index, the target's hidden states
+        `[1, n, H]` of the last n tokens of `context` but its last (which the
+        target has not run yet): after a verification, the previous round's
+        last token and the accepted drafts; while the prompt is read, a chunk
+        of it.
+        """

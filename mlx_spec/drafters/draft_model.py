@@ -50,7 +50,7 @@ class DraftModel(Drafter):
         # The last prompt token is always fed again, for its logits.
         self._keep(min(common_prefix(self.cached, prompt), len(prompt) - 1))
 
-    def commit(self, context: list[int]) -> None:
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The cache holds the old context and the draft but its last token; keep
         # the drafted tokens the target accepted (the context has them next).
         base = self.base

@@ -32,7 +32,7 @@ class PromptLookup(Drafter):
         self.seen, self.index = 0, {}
         self.commit(prompt)
 
-    def commit(self, context: list[int]) -> None:
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The loop only appends to the context; index the new tokens.
         for t in range(max(self.seen, 1), len(context)):
             # n-grams ending at t - 1 are followed by the token at t

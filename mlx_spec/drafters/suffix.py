@@ -95,7 +95,7 @@ class SuffixDecoding(Drafter):
         self.seen = 0
         self.commit(prompt)
 
-    def commit(self, context: list[int]) -> None:
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         for token in context[self.seen :]:
             self.trie.append(token)
         self.seen = len(context)

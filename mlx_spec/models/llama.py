@@ -8,8 +8,8 @@ without renaming. The forward follows mlx-spec's target contract:
 
 - `positions` `[B, S]` or `[S]`: per-token RoPE positions (tree nodes share
   depths); default: the cache offset onwards.
-- `mask`: boolean, True = attend, broadcastable to `[B, 1, S, cached + S]`;
-  default causal.
+- `mask`: boolean, True = attend, broadcastable to `[B, 1, S, cached + S]`,
+  or a `TreeMask` (the new tokens' parents) for tree attention; default causal.
 - `capture`: indices into Hugging Face's `hidden_states`: 0 is the embedding
   output, i is the output of layer i - 1 (the input of layer i), and
   `num_hidden_layers` is the last layer's output before the final norm.
@@ -24,6 +24,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_spec.attention import TreeMask, tree_attention
 from mlx_spec.cache import KVCache, make_cache
 from mlx_spec.models.config import ModelArgs
 from mlx_spec.models.rope import RoPE
@@ -70,6 +71,8 @@ class Attention(nn.Module):
     ) -> mx.array:
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # [B, H_kv, cached + S, D]
+        if isinstance(mask, TreeMask):
+            return tree_attention(q, k, v, mask, self.scale)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 

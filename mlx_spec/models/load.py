@@ -78,18 +78,24 @@ def checked_weights(
         _quantize(model, args.quantization, weights, config_path)
     if "lora" in config:  # LoRA adapters kept apart from the base weights (mlx-spec distill/train)
         _add_lora(model, config["lora"], config_path)
-    expected = dict(tree_flatten(model.parameters()))
+    check_weights(dict(tree_flatten(model.parameters())), weights, origin, path, f"a {args.model_type} model")
+    return model, weights
+
+
+def check_weights(
+    expected: Mapping[str, mx.array], weights: Mapping[str, mx.array], origin: dict[str, Path], path: Path, what: str
+) -> None:
+    """Every expected name present, none extra, every shape as the config implies."""
     for name in expected.keys() - weights.keys():
         raise UserError(f"{path}: checkpoint lacks weight '{name}'")
     for name in weights.keys() - expected.keys():
-        raise UserError(f"{origin[name]}: unexpected weight '{name}' for a {args.model_type} model")
+        raise UserError(f"{origin[name]}: unexpected weight '{name}' for {what}")
     for name, value in weights.items():
         if value.shape != expected[name].shape:
             raise UserError(
                 f"{origin[name]}: weight '{name}' has shape {tuple(value.shape)}, "
                 f"config.json implies {tuple(expected[name].shape)}"
             )
-    return model, weights
 
 
 def load_model(path_or_repo: str, revision: str | None = None, for_training: bool = False) -> tuple[Model, Path]:

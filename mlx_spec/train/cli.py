@@ -1,4 +1,5 @@
-"""`mlx-spec distill`: train a student on a teacher's distributions."""
+"""`mlx-spec distill` (a student learns a teacher's distributions) and
+`mlx-spec train medusa` (Medusa heads learn on a frozen target)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_train_args(p)
     p.set_defaults(func=run)
 
+    t = subparsers.add_parser("train", help="train a drafter for a target", description="Train a drafter for a target.")
+    kinds = t.add_subparsers(dest="kind", required=True, metavar="KIND")
+    m = kinds.add_parser(
+        "medusa",
+        help="Medusa heads on a frozen target",
+        description="Medusa-1: heads on the frozen target; OUT is a folder that --drafter medusa=OUT loads.",
+    )
+    m.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    m.add_argument("--heads", type=int, default=4, help="number of heads (head k predicts token t + 2 + k)")
+    m.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    add_train_args(m)
+    m.set_defaults(func=run_medusa, lr=1e-3)
+
+
+def train_config(args: argparse.Namespace):
+    from mlx_spec.train.trainer import TrainConfig
+
+    config = TrainConfig(
+        out=args.out, steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+        grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, save_every=args.save_every, log_every=args.log_every,
+        progress=not args.quiet,
+    )
+    config.check()
+    return config
+
+
+def data_batches(args: argparse.Namespace, tokenizer):
+    """Training and validation batches of `--data`, shaped by the flags."""
+    from mlx_spec.train.data import Batches, load_splits
+
+    train, valid = load_splits(args.data, tokenizer, args.valid_fraction)
+    eos = next(iter(tokenizer.eos_token_ids))
+    shape = dict(batch_size=args.batch_size, seq_len=args.seq_len, eos=eos, pack=not args.no_pack,
+                 mask_prompt=args.mask_prompt, seed=args.seed)
+    return Batches(train, **shape), Batches(valid, **shape)
+
 
 def prepare_student(args: argparse.Namespace):
     """The student, loaded for training, with LoRA adapters when asked."""
@@ -91,29 +129,18 @@ def export(args: argparse.Namespace, student, student_path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
-    from mlx_spec.train.data import Batches, load_splits
     from mlx_spec.train.distill import DistillBatches, DistillConfig, TeacherCache, agreement, make_objective
-    from mlx_spec.train.trainer import TrainConfig, Trainer
+    from mlx_spec.train.trainer import Trainer
 
     dconfig = DistillConfig(args.loss, args.temperature, args.alpha, args.teacher_topk, args.on_policy, args.beta, args.seed)
     dconfig.check()
-    tconfig = TrainConfig(
-        out=args.out, steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-        grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, save_every=args.save_every, log_every=args.log_every,
-        progress=not args.quiet,
-    )
-    tconfig.check()
+    tconfig = train_config(args)
     teacher, teacher_path = load_model(args.teacher, for_training=True)
     teacher.freeze()
     student, student_path = prepare_student(args)
     tokenizer = load_tokenizer(student_path)
     check_same_vocab(tokenizer, load_tokenizer(teacher_path), f"--student {args.student}", "the teacher")
-    train, valid = load_splits(args.data, tokenizer, args.valid_fraction)
-    eos = next(iter(tokenizer.eos_token_ids))
-    shape = dict(batch_size=args.batch_size, seq_len=args.seq_len, eos=eos, pack=not args.no_pack,
-                 mask_prompt=args.mask_prompt, seed=args.seed)
-    batches, valid_batches = Batches(train, **shape), Batches(valid, **shape)
+    batches, valid_batches = data_batches(args, tokenizer)
     cache = TeacherCache(args.out / "teacher_cache", teacher, batches, args.teacher_topk) if args.teacher_topk else None
     n_eval = min(args.eval_batches, len(valid_batches))
     trainer = Trainer(
@@ -127,5 +154,32 @@ def run(args: argparse.Namespace) -> int:
     result = trainer.fit(resume=args.resume)
     if trainer.group.rank() == 0:
         export(args, student, student_path)
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0
+
+
+def run_medusa(args: argparse.Namespace) -> int:
+    from mlx_spec.drafters.medusa import MedusaHeads, save_medusa
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec.train.medusa import head_accuracy, make_objective
+    from mlx_spec.train.trainer import Trainer
+
+    if args.heads < 1 or args.layers < 0:
+        raise UserError(f"--heads must be >= 1 and --layers >= 0, got {args.heads}, {args.layers}")
+    tconfig = train_config(args)
+    target, target_path = load_model(args.target, for_training=True)
+    target.freeze()
+    batches, valid_batches = data_batches(args, load_tokenizer(target_path))
+    heads = MedusaHeads(args.heads, args.layers, target.args.hidden_size, target.args.vocab_size)
+    heads.init_from_target(target)
+    n_eval = min(args.eval_batches, len(valid_batches))
+    trainer = Trainer(
+        heads, make_objective(target), batches, tconfig, valid=valid_batches,
+        evaluate=lambda m: head_accuracy(m, target, valid_batches, n_eval),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        save_medusa(args.out, heads, {"base_model_name_or_path": args.target})
         print(json.dumps({"out": str(args.out), **result}))
     return 0

@@ -1,0 +1,164 @@
+"""Medusa (Cai et al. 2024): extra heads on the target's last hidden state.
+
+Head k (0-based) reads the target's final normed hidden state h_t, the same
+input as its LM head, and predicts token t + 2 + k:
+
+    z = h + SiLU(W h + b)        (one residual block per layer)
+    logits_k = U_k z
+
+Every head predicts from the same h_t, so one round drafts a whole tree: the
+top candidates of each head, combined along a static list of paths
+(`medusa_choices`) or best-first within a node budget. The target verifies
+the tree in one forward, whose hidden state at the last accepted token feeds
+the next round.
+
+Weights are named as in FasterDecoding's `medusa_lm_head` files
+(`{k}.{j}.linear.weight`, `{k}.{j}.linear.bias`, `{k}.{L}.weight`) and kept
+under `heads`; a folder holds `config.json` (`medusa_num_heads`,
+`medusa_num_layers`, `hidden_size`, `vocab_size`) and `model.safetensors`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_spec import hub, tree
+from mlx_spec.convert.readers import read_safetensors
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.errors import UserError
+from mlx_spec.files import write_model_files
+from mlx_spec.models.llama import Model
+from mlx_spec.models.load import check_weights, compute_dtype, read_json
+from mlx_spec.sampling import SamplingParams
+
+TOPK = 10  # candidates per head that static trees index (mc_sim_7b_63's ranks are < 10)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + nn.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.num_layers = num_layers
+        self.heads = [
+            [ResBlock(hidden_size) for _ in range(num_layers)] + [nn.Linear(hidden_size, vocab_size, bias=False)]
+            for _ in range(num_heads)
+        ]
+
+    @property
+    def config(self) -> dict:
+        out = self.heads[0][-1].weight.shape
+        return {"medusa_num_heads": len(self.heads), "medusa_num_layers": self.num_layers,
+                "hidden_size": out[1], "vocab_size": out[0]}
+
+    def __call__(self, h: mx.array) -> mx.array:
+        """`h` `[..., H]` (final normed hidden) -> logits `[..., K, V]`, one row per head."""
+        outs = []
+        for head in self.heads:
+            z = h
+            for block in head[:-1]:
+                z = block(z)
+            outs.append(head[-1](z))
+        return mx.stack(outs, axis=-2)
+
+    def init_from_target(self, target: Model) -> None:
+        """Start every head as the target's LM head (blocks at zero: z = h)."""
+        lm = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
+        for head in self.heads:
+            for block in head[:-1]:
+                block.linear.weight = mx.zeros_like(block.linear.weight)
+                block.linear.bias = mx.zeros_like(block.linear.bias)
+            head[-1].weight = mx.array(lm)
+
+    def weights(self) -> dict[str, mx.array]:
+        """Parameters under their published names (`0.0.linear.weight`, ...)."""
+        return dict(tree_flatten(self.heads))
+
+
+def save_medusa(out: Path, heads: MedusaHeads, extra: dict | None = None) -> None:
+    """Write config.json and model.safetensors into `out`, each file whole."""
+    write_model_files(out, {**heads.config, **(extra or {})}, heads.weights())
+
+
+def load_medusa(path_or_repo: str, revision: str | None = None) -> tuple[MedusaHeads, Path]:
+    """A Medusa folder written by `mlx-spec convert` or `mlx-spec train medusa`."""
+    path = hub.resolve(path_or_repo, revision)
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    fields = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size")
+    for name in fields:
+        if not isinstance(config.get(name), int) or config[name] < (0 if name == "medusa_num_layers" else 1):
+            raise UserError(f"{config_path}: '{name}' must be a positive integer (is this a Medusa folder?)")
+    heads = MedusaHeads(*(config[f] for f in fields))
+    weights, origin = read_safetensors(path)
+    check_weights(heads.weights(), weights, origin, path, "Medusa heads")
+    dtype = compute_dtype()
+    if dtype is not None:
+        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    heads.update({"heads": tree_unflatten(list(weights.items()))})
+    try:
+        mx.eval(heads.parameters())
+    except RuntimeError as e:
+        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
+    return heads, path
+
+
+class Medusa(Drafter):
+    """Drafts a tree from the Medusa heads; `paths` (static) or `budget` (best-first)."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, target: Model, paths: Sequence[Sequence[int]] | None = None,
+                 budget: int | None = None):
+        self.heads, self.target = heads, target
+        self.paths = [list(p) for p in (tree.MC_SIM_7B_63 if paths is None and budget is None else paths or [])]
+        self.budget = budget
+        self.capture = (target.args.num_hidden_layers,)
+        self.hidden: mx.array | None = None  # [H] at the last committed token, before the final norm
+
+    def new_session(self) -> Medusa:
+        return Medusa(self.heads, self.target, self.paths or None, self.budget)
+
+    def reset(self, prompt: list[int]) -> None:
+        self.hidden = None  # until the prompt's features come (none for a one-token prompt: a plain round)
+
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        self.hidden = features[0][0, -1]
+
+    def _tree(self, scores: mx.array, k: int) -> tuple[list[int], list[int], list[int]]:
+        """(parents, depth, rank) of this round's tree, at most `k` deep."""
+        depth_max = min(k, len(self.heads.heads))
+        if self.budget is not None:
+            top = np.array(scores[:depth_max])  # [D, TOPK], descending
+            paths = tree.best_first(top, self.budget)
+        else:
+            paths = [p for p in self.paths if len(p) <= depth_max and max(p) < scores.shape[-1]]
+        return tree.from_paths(paths)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        if self.hidden is None:
+            return Draft(mx.array([], dtype=mx.int32))
+        h = self.target.model.norm(self.hidden)
+        logits = self.heads(h)[..., : self.target.args.vocab_size]  # [K, V]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        topk = min(TOPK, lp.shape[-1])
+        candidates = mx.argsort(-lp, axis=-1)[:, :topk]  # [K, TOPK]
+        scores = mx.take_along_axis(lp, candidates, axis=-1)
+        parents, depth, rank = self._tree(scores, k)
+        if not parents:
+            return Draft(mx.array([], dtype=mx.int32))
+        tokens = candidates[mx.array(depth) - 1, mx.array(rank)].astype(mx.int32)  # [N]
+        return Draft(tokens, None, parents)

@@ -1,0 +1,62 @@
+"""Shared by the exactness tests: tiny models and the statistical check that
+speculative sampling draws from the target's distribution."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_spec.decoding import speculative_steps
+from mlx_spec.models import Model, parse_config
+from mlx_spec.sampling import log_probs
+from mlx_spec.testing import make_config, random_weights
+
+
+def tiny(seed: int, vocab: int, logit_scale: float = 1.0, **overrides) -> Model:
+    config = make_config(
+        "qwen3", vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, **overrides,
+    )
+    weights = random_weights(config, seed)
+    weights["model.norm.weight"] *= logit_scale  # flatter or peakier next-token distributions
+    model = Model(parse_config(config))
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
+    return model
+
+
+def tokens_of(events, limit=None):
+    out = [t for e in events for t in e.tokens]
+    return out[:limit] if limit is not None else out
+
+
+V = 4
+STAT_PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+N = 3000
+
+
+def exact_joint(model, prompt, params, n_tokens):
+    """P(t1..tn) under the target's processed distribution, over all V^n sequences."""
+    probs = {}
+    for seq in itertools.product(range(V), repeat=n_tokens):
+        logits, _ = model(mx.array([prompt + list(seq)]))
+        lp = np.array(log_probs(logits[0, len(prompt) - 1 : -1], params))  # [n, V]
+        probs[seq] = float(np.exp(sum(lp[i, t] for i, t in enumerate(seq))))
+    return probs
+
+
+def tv_bound(p, n, quantile=0.999, sims=4000):
+    """The TV distance that N exact draws from p exceed with probability 1e-3."""
+    rng = np.random.default_rng(0)
+    pv = np.array(list(p.values()))
+    draws = rng.multinomial(n, pv / pv.sum(), size=sims) / n
+    return float(np.quantile(0.5 * np.abs(draws - pv).sum(axis=1), quantile))
+
+
+def empirical_tv(model, make_drafter, params, p, n_tokens=3, **options):
+    """TV distance between N speculative samples of `n_tokens` and the exact joint `p`."""
+    mx.random.seed(0)
+    counts = dict.fromkeys(p, 0)
+    for _ in range(N):
+        events = speculative_steps(model, STAT_PROMPT, params, n_tokens, make_drafter(), num_draft=3, **options)
+        counts[tuple(tokens_of(events))] += 1
+    return 0.5 * sum(abs(counts[s] / N - p[s]) for s in p)
