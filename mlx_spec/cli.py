@@ -47,7 +47,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="none",
-        help="none | lookup | suffix | draft=PATH_OR_REPO | medusa=PATH_OR_REPO (default: none, plain decoding)",
+        help="none | lookup | suffix | draft=PATH_OR_REPO | medusa=PATH_OR_REPO | eagle=PATH_OR_REPO | "
+             "eagle3=PATH_OR_REPO (default: none, plain decoding)",
     )
     p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
     p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
@@ -55,7 +56,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, metavar="PATHS_JSON",
                    help="tree drafters: a static tree as a JSON list of paths, or a file holding one "
                         "(default: Medusa's mc_sim_7b_63)")
-    p.add_argument("--tree-budget", type=int, default=None, help="tree drafters: a best-first tree of N nodes")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="tree drafters: a best-first tree of N nodes (EAGLE: a dynamic EAGLE-2 tree)")
+    p.add_argument("--depth", type=int, default=6, help="EAGLE dynamic trees: the deepest level drafted")
+    p.add_argument("--topk", type=int, default=8, help="EAGLE dynamic trees: nodes expanded, and children each, per level")
     p.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
                    help="typical: Medusa's rule, faster at temperature > 0 but NOT distribution-preserving")
 
@@ -103,9 +107,11 @@ def _steps(args: argparse.Namespace, model, tokenizer):
         raise UserError(f"--tree-budget must be >= 1, got {args.tree_budget}")
     if args.tree is not None and args.tree_budget is not None:
         raise UserError("--tree and --tree-budget: give one of them")
+    if args.depth < 1 or args.topk < 1:
+        raise UserError(f"--depth and --topk must be >= 1, got {args.depth}, {args.topk}")
     drafter = make_drafter(
         args.drafter, model, tokenizer, args.revision, (args.ngram_min, args.ngram_max),
-        _tree_paths(args.tree), args.tree_budget,
+        _tree_paths(args.tree), args.tree_budget, args.depth, args.topk,
     )
     if drafter is None:
         return plain_steps

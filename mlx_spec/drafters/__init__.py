@@ -1,7 +1,7 @@
 """Drafters, one file per method, and `--drafter SPEC` parsing.
 
 SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
-`medusa=PATH_OR_REPO`.
+`medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft", "medusa")
+KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3")
+TREE_KINDS = ("medusa", "eagle", "eagle3")
 
 
 def make_drafter(
@@ -23,18 +24,23 @@ def make_drafter(
     ngram: tuple[int, int] = (1, 4),
     tree_paths: list[list[int]] | None = None,
     tree_budget: int | None = None,
+    depth: int = 6,
+    topk: int = 8,
 ) -> Drafter | None:
     """The drafter SPEC names for `target`; None for plain decoding.
 
-    Tree drafters take `tree_paths` (a static tree) or `tree_budget` (nodes
-    of a best-first tree); by default Medusa's mc_sim_7b_63.
+    Medusa takes `tree_paths` (a static tree; by default mc_sim_7b_63) or
+    `tree_budget` (nodes of a best-first tree). EAGLE drafts a chain, or with
+    `tree_budget` an EAGLE-2 dynamic tree (`depth`, `topk` per depth).
     """
     kind, _, source = spec.partition("=")
     if kind not in KINDS:
         raise UserError(f"--drafter: unknown kind '{kind}' (known: {', '.join(KINDS)})")
-    if (tree_paths is not None or tree_budget is not None) and kind != "medusa":
-        raise UserError(f"--tree and --tree-budget need a tree drafter (medusa), not '{kind}'")
-    needs_source = kind in ("draft", "medusa")
+    if tree_budget is not None and kind not in TREE_KINDS:
+        raise UserError(f"--tree-budget needs a tree drafter ({', '.join(TREE_KINDS)}), not '{kind}'")
+    if tree_paths is not None and kind != "medusa":
+        raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
+    needs_source = kind in ("draft", "medusa", "eagle", "eagle3")
     if needs_source and not source:
         raise UserError(f"--drafter {kind}: give the model as {kind}=PATH_OR_REPO")
     if source and not needs_source:
@@ -55,6 +61,14 @@ def make_drafter(
         heads, path = load_medusa(source, revision)
         check_medusa_fits(heads, target, f"--drafter {spec}")
         return Medusa(heads, target, tree_paths, tree_budget)
+    if kind in ("eagle", "eagle3"):
+        from mlx_spec.drafters.eagle import Eagle, check_eagle_fits, load_eagle
+
+        net, _, _ = load_eagle(source, revision)
+        if (net.version == 1) != (kind == "eagle"):
+            raise UserError(f"--drafter {spec}: an EAGLE-{net.version} drafter; use eagle{'3' if net.version == 3 else ''}=")
+        check_eagle_fits(net, target, f"--drafter {spec}")
+        return Eagle(net, target, tree_budget, topk, depth)
     from mlx_spec.drafters.draft_model import DraftModel
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import check_same_vocab, load_tokenizer

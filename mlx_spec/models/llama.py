@@ -31,16 +31,19 @@ from mlx_spec.models.rope import RoPE
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RoPE):
+    def __init__(self, args: ModelArgs, rope: RoPE, input_size: int | None = None):
+        """`input_size`: width of the queries' and keys' input when it is not
+        the hidden size (EAGLE-3 attends over [embedding; feature])."""
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = D = args.head_dim
         self.scale = D**-0.5
         hidden = args.hidden_size
-        self.q_proj = nn.Linear(hidden, self.n_heads * D, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * D, bias=args.qkv_bias)
+        width = input_size or hidden
+        self.q_proj = nn.Linear(width, self.n_heads * D, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(width, self.n_kv_heads * D, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(width, self.n_kv_heads * D, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * D, hidden, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
@@ -175,7 +178,10 @@ class Model(nn.Module):
 
     def head(self, h: mx.array) -> mx.array:
         """Final norm and LM head: `[B, S, H] -> [B, S, V]`."""
-        h = self.model.norm(h)
+        return self.unembed(self.model.norm(h))
+
+    def unembed(self, h: mx.array) -> mx.array:
+        """The LM head alone, on already normed states."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)

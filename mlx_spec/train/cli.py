@@ -66,6 +66,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     add_train_args(m)
     m.set_defaults(func=run_medusa, lr=1e-3)
+    for kind, version in (("eagle3", 3), ("eagle", 1)):
+        e = kinds.add_parser(
+            kind,
+            help=f"an EAGLE-{version} drafter on a frozen target",
+            description=f"EAGLE-{version}: a one-layer drafter on the target's features, trained with "
+                        f"training-time test; OUT is a folder that --drafter {kind}=OUT loads.",
+        )
+        e.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+        e.add_argument("--ttt-steps", type=int, default=3, help="drafting steps unrolled in training (training-time test)")
+        e.add_argument("--intermediate-size", type=int, default=None, help="the drafter's MLP width (default: the target's)")
+        e.add_argument("--regenerate", action="store_true",
+                       help="replace the answers of prompt/completion and chat examples by the target's own (greedy)")
+        if version == 3:
+            e.add_argument("--draft-vocab", type=int, default=32000,
+                           help="predict only the N most frequent tokens of the data (at most the target's vocabulary)")
+            e.add_argument("--layers", default=None, help="target layers to read, e.g. 2,14,25 (default: 2, L/2, L-3)")
+            e.add_argument("--recycle-normed", action="store_true",
+                           help="EAGLE 3.1: feed the normed output state to the next drafting step")
+        add_train_args(e)
+        e.set_defaults(func=run_eagle, lr=1e-3, version=version)
 
 
 def train_config(args: argparse.Namespace):
@@ -81,11 +101,12 @@ def train_config(args: argparse.Namespace):
     return config
 
 
-def data_batches(args: argparse.Namespace, tokenizer):
-    """Training and validation batches of `--data`, shaped by the flags."""
+def data_batches(args: argparse.Namespace, tokenizer, train=None, valid=None):
+    """Training and validation batches of `--data` (or of the given examples), shaped by the flags."""
     from mlx_spec.train.data import Batches, load_splits
 
-    train, valid = load_splits(args.data, tokenizer, args.valid_fraction)
+    if train is None:
+        train, valid = load_splits(args.data, tokenizer, args.valid_fraction)
     eos = next(iter(tokenizer.eos_token_ids))
     shape = dict(batch_size=args.batch_size, seq_len=args.seq_len, eos=eos, pack=not args.no_pack,
                  mask_prompt=args.mask_prompt, seed=args.seed)
@@ -181,5 +202,68 @@ def run_medusa(args: argparse.Namespace) -> int:
     result = trainer.fit(resume=args.resume)
     if trainer.group.rank() == 0:
         save_medusa(args.out, heads, {"base_model_name_or_path": args.target})
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0
+
+
+def run_eagle(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_spec.drafters.eagle import EagleNet, default_layers, eagle_config, save_eagle
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec.train.data import load_splits, regenerate
+    from mlx_spec.train.eagle import acceptance, draft_vocabulary, make_objective
+    from mlx_spec.train.trainer import Trainer
+
+    if args.ttt_steps < 1:
+        raise UserError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    tconfig = train_config(args)
+    target, target_path = load_model(args.target, for_training=True)
+    target.freeze()
+    L, V = target.args.num_hidden_layers, target.args.vocab_size
+    tokenizer = load_tokenizer(target_path)
+    train, valid = load_splits(args.data, tokenizer, args.valid_fraction)
+    if args.regenerate:
+        eos = set(tokenizer.eos_token_ids)
+        train, valid = regenerate(target, train, args.seq_len, eos), regenerate(target, valid, args.seq_len, eos)
+    batches, valid_batches = data_batches(args, tokenizer, train, valid)
+    draft_ids = None
+    if args.version == 3:
+        layers = default_layers(L)
+        if args.layers:
+            try:
+                layers = [int(i) for i in args.layers.split(",")]
+            except ValueError:
+                raise UserError(f"--layers: expected comma-separated layer indices, got '{args.layers}'") from None
+            if len(layers) < 1 or any(not 0 <= i <= L for i in layers):
+                raise UserError(f"--layers must be indices in 0..{L}, got '{args.layers}'")
+        if args.draft_vocab < 1:
+            raise UserError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+        size = min(args.draft_vocab, V)
+        config = eagle_config(target, 3, layers, size, args.intermediate_size)
+        config["eagle"]["recycle_normed"] = args.recycle_normed
+        used = draft_vocabulary(train, V, size)
+        net = EagleNet(config)
+        net.d2t = mx.array(used - np.arange(size), dtype=mx.int32)
+        # Start the drafter's head and norm from the target's: the same tokens, the same scale.
+        full = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
+        net.lm_head.weight = full[mx.array(used)]
+        net.norm.weight = mx.array(target.model.norm.weight)
+        net.freeze(keys=["d2t"])
+        if size < V:
+            draft_ids = mx.array(used)
+    else:
+        config = eagle_config(target, 1, intermediate_size=args.intermediate_size)
+        net = EagleNet(config)
+    n_eval = min(args.eval_batches, len(valid_batches))
+    trainer = Trainer(
+        net, make_objective(target, args.ttt_steps, draft_ids), batches, tconfig, valid=valid_batches,
+        evaluate=lambda m: acceptance(m, target, valid_batches, n_eval),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        save_eagle(args.out, net, config)
         print(json.dumps({"out": str(args.out), **result}))
     return 0

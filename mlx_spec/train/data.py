@@ -160,3 +160,26 @@ class Batches:
             tokens[r, : len(t)] = t
             mask[r, : len(m)] = m
         return {"tokens": mx.array(tokens), "mask": mx.array(mask)}
+
+
+def regenerate(target, examples: list[Example], seq_len: int, eos: set[int]) -> list[Example]:
+    """The examples with their answers rewritten by `target` (greedy, as long as
+    the original, at most the row length), so a drafter learns what the target
+    itself says. Examples without a prompt stay as they are."""
+    from mlx_spec.decoding import plain_steps
+    from mlx_spec.sampling import SamplingParams
+
+    out = []
+    for ex in examples:
+        if ex.prompt_len == 0:
+            out.append(ex)
+            continue
+        prompt = ex.tokens[: ex.prompt_len]
+        answer: list[int] = []
+        budget = max(1, min(len(ex.tokens), seq_len + 1) - ex.prompt_len)
+        for event in plain_steps(target, prompt, SamplingParams(), budget):
+            answer += event.tokens
+            if answer[-1] in eos:
+                break
+        out.append(Example(prompt + answer, ex.prompt_len))
+    return out
