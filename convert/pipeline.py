@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_spec import hub
-from mlx_spec.convert import llama, medusa
+from mlx_spec.convert import dflash, eagle, llama, medusa
 from mlx_spec.convert.family import Family, Source
 from mlx_spec.convert.output import check_out, write_atomically
 from mlx_spec.files import save_weights
@@ -27,8 +27,9 @@ from mlx_spec.errors import UserError
 from mlx_spec.models.load import read_json
 
 # Tried in order, the first match wins: drafter families whose configs also say
-# "llama" or "qwen3" go before `llama`.
-FAMILIES: tuple[Family, ...] = (medusa, llama)
+# "llama" or "qwen3" go before `llama`; DFlash, which its config names, before
+# EAGLE, which reads tensor names to tell a one-layer Llama from a drafter.
+FAMILIES: tuple[Family, ...] = (medusa, dflash, eagle.eagle3, eagle.eagle1, llama)
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 

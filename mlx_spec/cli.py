@@ -48,7 +48,8 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="none",
         help="none | lookup | suffix | draft=PATH_OR_REPO | medusa=PATH_OR_REPO | eagle=PATH_OR_REPO | "
-             "eagle3=PATH_OR_REPO (default: none, plain decoding)",
+             "eagle3=PATH_OR_REPO | dflash[=PATH_OR_REPO] (default: none, plain decoding; dflash alone: "
+             "the drafter published for --model)",
     )
     p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
     p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
@@ -56,8 +57,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, metavar="PATHS_JSON",
                    help="tree drafters: a static tree as a JSON list of paths, or a file holding one "
                         "(default: Medusa's mc_sim_7b_63)")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="tree drafters: a best-first tree of N nodes (EAGLE: a dynamic EAGLE-2 tree)")
+    p.add_argument("--tree-budget", "--ddtree-budget", type=int, default=None,
+                   help="tree drafters: a best-first tree of N nodes (EAGLE: a dynamic EAGLE-2 tree; DFlash: DDTree)")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash: positions per block (default: the drafter's)")
     p.add_argument("--depth", type=int, default=6, help="EAGLE dynamic trees: the deepest level drafted")
     p.add_argument("--topk", type=int, default=8, help="EAGLE dynamic trees: nodes expanded, and children each, per level")
     p.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
@@ -109,9 +111,11 @@ def _steps(args: argparse.Namespace, model, tokenizer):
         raise UserError("--tree and --tree-budget: give one of them")
     if args.depth < 1 or args.topk < 1:
         raise UserError(f"--depth and --topk must be >= 1, got {args.depth}, {args.topk}")
+    if args.block_size is not None and (args.block_size < 2 or not args.drafter.startswith("dflash")):
+        raise UserError(f"--block-size needs the dflash drafter and a size >= 2, got {args.block_size}")
     drafter = make_drafter(
         args.drafter, model, tokenizer, args.revision, (args.ngram_min, args.ngram_max),
-        _tree_paths(args.tree), args.tree_budget, args.depth, args.topk,
+        _tree_paths(args.tree), args.tree_budget, args.depth, args.topk, args.model, args.block_size,
     )
     if drafter is None:
         return plain_steps

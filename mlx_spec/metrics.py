@@ -10,6 +10,7 @@ from mlx_spec.decoding import StepEvent
 @dataclass
 class Metrics:
     steps: int = 0  # target forwards while decoding (one per round)
+    drafting_rounds: int = 0  # rounds that drafted something
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -21,6 +22,7 @@ class Metrics:
 
     def add(self, event: StepEvent) -> None:
         self.steps += 1
+        self.drafting_rounds += bool(event.drafted)
         self.tokens += len(event.tokens)
         self.drafted += len(event.drafted)
         self.accepted += event.accepted
@@ -64,4 +66,6 @@ class Metrics:
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "draft_overhead": self.draft_overhead,
+            "draft_ms_per_round": 1e3 * self.draft_time / self.drafting_rounds if self.drafting_rounds else 0.0,
+            "verify_ms_per_round": 1e3 * self.verify_time / self.steps if self.steps else 0.0,
         }

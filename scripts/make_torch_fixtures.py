@@ -18,6 +18,20 @@ tests/fixtures/torch/
   medusa/     Medusa-1 heads as FasterDecoding publishes them: medusa_lm_head.pt (bf16,
               5 heads of 1 layer) with a config.json that claims 2 heads; sized for
               tests/conftest.py's checkpoints["llama"] (hidden 64, vocabulary 384)
+  eagle1/     an EAGLE-1 drafter as yuhuili publishes Vicuna's: fp32 pytorch_model.bin with
+              embed_tokens, fc.weight + fc.bias, layers.0.* (no input norm) and the
+              rotary_emb.inv_freq buffer older transformers saved; a Llama config of one
+              layer without "bias", num_key_value_heads or rope_theta; for checkpoints["llama"]
+  eagle1-nobias/  EAGLE-1 as for LLaMA3: fp16, config "bias": false (no fc.bias), here a
+              Qwen2 layer (q/k/v biases) for checkpoints["qwen2"] (tied embeddings)
+  eagle3/     an EAGLE-3 drafter as yuhuili publishes them: fp16 pytorch_model.bin without
+              embed_tokens, midlayer.*, norm, lm_head over a draft vocabulary of 32,
+              d2t (int64) and t2d (bool); config without rope_theta or head_dim;
+              for checkpoints["qwen3"]
+  eagle3-specforge/  as SpecForge exports: bf16 model.safetensors with midlayer.* and
+              embed_tokens, the full vocabulary (no draft_vocab_size, d2t or t2d),
+              architectures LlamaForCausalLMEagle3, eagle_config's aux layer ids, and a
+              wrong head_dim (32; q_proj says 16), as some published configs have
 """
 
 from __future__ import annotations
@@ -134,9 +148,130 @@ def medusa_heads(target: dict, num_heads: int = 5, seed: int = 2) -> OrderedDict
     return OrderedDict((name, w.to(torch.bfloat16)) for name, w in sd.items())
 
 
+# The targets of the EAGLE fixtures: tests/conftest.py's checkpoints[arch], made
+# by make_checkpoint(..., arch, seed) (vocabulary 384, hidden 64, 2 layers).
+EAGLE_TARGETS = {"llama": 0, "qwen2": 1, "qwen3": 2}
+
+
+class Draw:
+    """Seeded random weights, drawn in float32 as an untrained layer's would be."""
+
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def linear(self, rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=self.g) / cols**0.5
+
+    def norm(self, size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(size, generator=self.g)
+
+    def bias(self, size: int) -> torch.Tensor:
+        return 0.1 * torch.randn(size, generator=self.g)
+
+
+def target_embedding(arch: str) -> torch.Tensor:
+    """The embedding of checkpoints[arch], which EAGLE files ship a copy of."""
+    config = make_config(arch, vocab_size=384)
+    return torch.from_numpy(random_weights(config, EAGLE_TARGETS[arch])["model.embed_tokens.weight"])
+
+
+def eagle_layer(draw: Draw, prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                intermediate: int, attn_input: int, qkv_bias: bool) -> OrderedDict:
+    """One decoder layer's attention and MLP (`attn_input`: 2H for EAGLE-3's [embedding; feature])."""
+    sd = OrderedDict()
+    for proj, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+        sd[f"{prefix}self_attn.{proj}_proj.weight"] = draw.linear(rows, attn_input)
+        if qkv_bias:
+            sd[f"{prefix}self_attn.{proj}_proj.bias"] = draw.bias(rows)
+    sd[f"{prefix}self_attn.o_proj.weight"] = draw.linear(hidden, heads * head_dim)
+    sd[f"{prefix}post_attention_layernorm.weight"] = draw.norm(hidden)
+    sd[f"{prefix}mlp.gate_proj.weight"] = draw.linear(intermediate, hidden)
+    sd[f"{prefix}mlp.up_proj.weight"] = draw.linear(intermediate, hidden)
+    sd[f"{prefix}mlp.down_proj.weight"] = draw.linear(hidden, intermediate)
+    return sd
+
+
+def eagle1(arch: str, fc_bias: bool, qkv_bias: bool, kv_heads: int, seed: int) -> OrderedDict:
+    """yuhuili's EAGLE-1 state dict (`cnets1.Model`): embedding first, as the module holds it."""
+    draw = Draw(seed)
+    sd = OrderedDict([("embed_tokens.weight", target_embedding(arch))])
+    sd.update(eagle_layer(draw, "layers.0.", 64, 4, kv_heads, 16, 64, 64, qkv_bias))
+    sd["fc.weight"] = draw.linear(64, 128)
+    if fc_bias:
+        sd["fc.bias"] = draw.bias(64)
+    return sd
+
+
+def eagle3(seed: int, draft_vocab: int, embedding: torch.Tensor | None) -> OrderedDict:
+    """An EAGLE-3 state dict (`cnets.Model` / SpecForge's LlamaForCausalLMEagle3); with a
+    reduced vocabulary, d2t/t2d map the `draft_vocab` ids (sorted) of 384."""
+    draw = Draw(seed)
+    sd = OrderedDict()
+    if embedding is not None:
+        sd["embed_tokens.weight"] = embedding
+    sd["fc.weight"] = draw.linear(64, 3 * 64)
+    sd["midlayer.hidden_norm.weight"] = draw.norm(64)
+    sd["midlayer.input_layernorm.weight"] = draw.norm(64)
+    sd.update(eagle_layer(draw, "midlayer.", 64, 4, 2, 16, 96, 128, qkv_bias=False))
+    sd["norm.weight"] = draw.norm(64)
+    sd["lm_head.weight"] = draw.linear(draft_vocab, 64)
+    if draft_vocab < 384:
+        used = torch.sort(torch.randperm(384, generator=draw.g)[:draft_vocab]).values
+        sd["d2t"] = used - torch.arange(draft_vocab)  # int64, as published
+        t2d = torch.zeros(384, dtype=torch.bool)
+        t2d[used] = True
+        sd["t2d"] = t2d
+    return sd
+
+
+def eagle_config(**fields) -> str:
+    """A one-layer Llama-style draft config (transformers 4 keys)."""
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 384, "hidden_act": "silu",
+              "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, **fields}
+    return json.dumps(config, indent=2) + "\n"
+
+
+def as_dtype(sd: OrderedDict, dtype: torch.dtype) -> OrderedDict:
+    return OrderedDict((k, v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items())
+
+
+def write_eagle_fixtures(dirs: dict[str, Path]) -> None:
+    # Vicuna: fp32, fc.bias, the persistent inv_freq buffer of transformers < 4.31
+    sd = eagle1("llama", fc_bias=True, qkv_bias=False, kv_heads=4, seed=10)
+    sd["layers.0.self_attn.rotary_emb.inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+    torch.save(sd, dirs["eagle1"] / "pytorch_model.bin")
+    (dirs["eagle1"] / "config.json").write_text(
+        eagle_config(intermediate_size=64, rms_norm_eps=1e-6, torch_dtype="float32", tie_word_embeddings=False)
+    )
+
+    sd = eagle1("qwen2", fc_bias=False, qkv_bias=True, kv_heads=2, seed=11)
+    torch.save(as_dtype(sd, torch.float16), dirs["eagle1-nobias"] / "pytorch_model.bin")
+    (dirs["eagle1-nobias"] / "config.json").write_text(eagle_config(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], intermediate_size=64, num_key_value_heads=2,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, torch_dtype="float16", tie_word_embeddings=True, bias=False,
+    ))
+
+    sd = eagle3(seed=12, draft_vocab=32, embedding=None)
+    torch.save(as_dtype(sd, torch.float16), dirs["eagle3"] / "pytorch_model.bin")
+    (dirs["eagle3"] / "config.json").write_text(eagle_config(
+        intermediate_size=96, num_key_value_heads=2, rms_norm_eps=1e-5, draft_vocab_size=32,
+        torch_dtype="float16", tie_word_embeddings=False,
+    ))
+
+    sd = eagle3(seed=13, draft_vocab=384, embedding=target_embedding("qwen3"))
+    save_contiguous(as_dtype(sd, torch.bfloat16), dirs["eagle3-specforge"] / "model.safetensors")
+    (dirs["eagle3-specforge"] / "config.json").write_text(eagle_config(
+        architectures=["LlamaForCausalLMEagle3"], intermediate_size=96, num_key_value_heads=2, head_dim=32,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, torch_dtype="bfloat16", tie_word_embeddings=False,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1], "use_aux_hidden_state": True},
+    ))
+
+
 def main() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
-    names = ("tensors", "sharded", "llama", "llama-safetensors", "llama-sharded", "qwen3-tied", "medusa")
+    names = ("tensors", "sharded", "llama", "llama-safetensors", "llama-sharded", "qwen3-tied", "medusa",
+             "eagle1", "eagle1-nobias", "eagle3", "eagle3-specforge")
     dirs = {name: OUT / name for name in names}
     for d in dirs.values():
         d.mkdir(parents=True)
@@ -169,6 +304,8 @@ def main() -> None:
     torch.save(medusa_heads(make_config("llama", vocab_size=384)), dirs["medusa"] / "medusa_lm_head.pt")
     medusa_config = {"base_model_name_or_path": "tiny-llama", "medusa_num_heads": 2, "medusa_num_layers": 1}
     (dirs["medusa"] / "config.json").write_text(json.dumps(medusa_config, indent=2) + "\n")
+
+    write_eagle_fixtures(dirs)
 
     versions = {"torch": torch.__version__, "safetensors": safetensors.__version__}
     (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")

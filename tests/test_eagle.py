@@ -114,30 +114,14 @@ def test_sampling_matches_target_distribution(stat_target, version, budget):
     assert empirical_tv(stat_target, make, params, p) < tv_bound(p, N)
 
 
-def stride_data(folder, letters_count):
-    """Rows of letters walked with a stride (the stride model's task), as JSONL text."""
-    import json
-
-    from mlx_spec.testing import COPY_ALPHABET, stride_row
-
-    folder.mkdir()
-    rng = np.random.default_rng(1)
-    for name, n in (("train", 400), ("valid", 32)):
-        rows = ("".join(COPY_ALPHABET[i] for i in stride_row(rng, list(range(letters_count)), 48)) for _ in range(n))
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    return folder
-
-
 def test_trained_eagle3_accepts_and_trees_beat_chains(stride_model, tmp_path):
     """`mlx-spec train eagle3` for a short run on a tiny trained target: on
     held-out rows, >= 2 tokens per target forward, more with a dynamic tree
     than with a chain of the same depth."""
     from conftest import _fast_blas_env
-    from helpers import cli
-    from mlx_spec.metrics import Metrics
-    from mlx_spec.testing import COPY_ALPHABET, copy_token_ids, stride_row
+    from helpers import cli, tau_on_held_out_rows, write_stride_data
 
-    data = stride_data(tmp_path / "data", len(COPY_ALPHABET))
+    data = write_stride_data(tmp_path / "data")
     out = tmp_path / "eagle3"
     proc = cli("train", "eagle3", "--target", stride_model, "--data", data, "-o", out, "--steps", "150",
                "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10", "--draft-vocab", "64",
@@ -146,28 +130,18 @@ def test_trained_eagle3_accepts_and_trees_beat_chains(stride_model, tmp_path):
     target, _ = load_model(str(stride_model))
     net, config, _ = load_eagle(str(out))
     assert config["eagle"]["draft_vocab_size"] == 64 and net.version == 3
-    ids = copy_token_ids(stride_model)
-    taus = {}
-    for budget in (None, 12):
-        metrics = Metrics()
-        prompts = np.random.default_rng(99)  # rows the training never saw
-        for _ in range(8):
-            prompt = stride_row(prompts, ids, 6)
-            drafter = Eagle(net, target, budget=budget, topk=4, depth=4)
-            events = list(speculative_steps(target, prompt, GREEDY, 24, drafter, num_draft=4))
-            assert tokens_of(events) == tokens_of(plain_steps(target, prompt, GREEDY, 24))
-            for e in events:
-                metrics.add(e)
-        taus[budget] = metrics.tau
+    taus = {
+        b: tau_on_held_out_rows(target, stride_model, lambda: Eagle(net, target, budget=b, topk=4, depth=4), 4)
+        for b in (None, 12)
+    }
     assert taus[None] >= 2.0 and taus[12] > taus[None], taus
 
 
 def test_train_eagle1_writes_a_loadable_drafter(stride_model, tmp_path):
     from conftest import _fast_blas_env
-    from helpers import cli
-    from mlx_spec.testing import COPY_ALPHABET
+    from helpers import cli, write_stride_data
 
-    data = stride_data(tmp_path / "data", len(COPY_ALPHABET))
+    data = write_stride_data(tmp_path / "data")
     out = tmp_path / "eagle1"
     proc = cli("train", "eagle", "--target", stride_model, "--data", data, "-o", out, "--steps", "20",
                "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--warmup", "2", "--quiet",

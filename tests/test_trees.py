@@ -271,18 +271,10 @@ def test_trained_medusa_heads_raise_accepted_length(stride_model, tmp_path):
     import json
 
     from conftest import _fast_blas_env
-    from helpers import cli
+    from helpers import cli, tau_on_held_out_rows, write_stride_data
     from mlx_spec.drafters.medusa import load_medusa
-    from mlx_spec.metrics import Metrics
-    from mlx_spec.testing import COPY_ALPHABET, copy_token_ids, stride_row
 
-    letters = list(range(len(COPY_ALPHABET)))
-    data = tmp_path / "data"
-    data.mkdir()
-    rng = np.random.default_rng(1)
-    for name, n in (("train", 400), ("valid", 32)):
-        rows = ("".join(COPY_ALPHABET[i] for i in stride_row(rng, letters, 48)) for _ in range(n))
-        (data / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    data = write_stride_data(tmp_path / "data")
     out = tmp_path / "medusa"
     proc = cli("train", "medusa", "--target", stride_model, "--data", data, "-o", out, "--heads", "3",
                "--steps", "150", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10",
@@ -295,17 +287,6 @@ def test_trained_medusa_heads_raise_accepted_length(stride_model, tmp_path):
     trained, _ = load_medusa(str(out))
     untrained = MedusaHeads(3, 1, target.args.hidden_size, target.args.vocab_size)
     untrained.init_from_target(target)
-    ids = copy_token_ids(stride_model)
     chain = [[0], [0, 0], [0, 0, 0]]
-    taus = []
-    for heads in (trained, untrained):
-        metrics = Metrics()
-        prompts = np.random.default_rng(99)  # rows the training never saw
-        for _ in range(8):
-            prompt = stride_row(prompts, ids, 6)
-            events = list(speculative_steps(target, prompt, GREEDY, 24, Medusa(heads, target, paths=chain)))
-            assert tokens_of(events) == tokens_of(plain_steps(target, prompt, GREEDY, 24))
-            for e in events:
-                metrics.add(e)
-        taus.append(metrics.tau)
+    taus = [tau_on_held_out_rows(target, stride_model, lambda: Medusa(h, target, paths=chain)) for h in (trained, untrained)]
     assert taus[0] > 1.5 and taus[0] > taus[1] + 0.3, taus

@@ -1,7 +1,8 @@
 """Drafters, one file per method, and `--drafter SPEC` parsing.
 
 SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
-`medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`.
+`medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`,
+`dflash=PATH_OR_REPO`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3")
-TREE_KINDS = ("medusa", "eagle", "eagle3")
+KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash")
+TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash")
+PUBLISHED = ("medusa", "eagle", "eagle3", "dflash")  # kinds the registry knows for some targets
 
 
 def make_drafter(
@@ -26,12 +28,17 @@ def make_drafter(
     tree_budget: int | None = None,
     depth: int = 6,
     topk: int = 8,
+    target_source: str | None = None,
+    block_size: int | None = None,
 ) -> Drafter | None:
     """The drafter SPEC names for `target`; None for plain decoding.
 
     Medusa takes `tree_paths` (a static tree; by default mc_sim_7b_63) or
     `tree_budget` (nodes of a best-first tree). EAGLE drafts a chain, or with
-    `tree_budget` an EAGLE-2 dynamic tree (`depth`, `topk` per depth).
+    `tree_budget` an EAGLE-2 dynamic tree (`depth`, `topk` per depth); DFlash
+    one block, or with `tree_budget` a DDTree over the block. Without a
+    SOURCE, `dflash` is the drafter published for `target_source` (the
+    `--model` given).
     """
     kind, _, source = spec.partition("=")
     if kind not in KINDS:
@@ -40,7 +47,16 @@ def make_drafter(
         raise UserError(f"--tree-budget needs a tree drafter ({', '.join(TREE_KINDS)}), not '{kind}'")
     if tree_paths is not None and kind != "medusa":
         raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
-    needs_source = kind in ("draft", "medusa", "eagle", "eagle3")
+    needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash")
+    if kind in PUBLISHED and not source and target_source is not None:
+        from mlx_spec.convert.registry import find_drafter
+
+        source = find_drafter(kind, target_source)
+        if kind != "dflash":  # published EAGLE and Medusa files need converting first
+            raise UserError(
+                f"--drafter {kind}: the published drafter for {target_source} is {source}; convert it with "
+                f"`mlx-spec convert {source} -o DIR --target {target_source}`, then use --drafter {kind}=DIR"
+            )
     if needs_source and not source:
         raise UserError(f"--drafter {kind}: give the model as {kind}=PATH_OR_REPO")
     if source and not needs_source:
@@ -69,6 +85,12 @@ def make_drafter(
             raise UserError(f"--drafter {spec}: an EAGLE-{net.version} drafter; use eagle{'3' if net.version == 3 else ''}=")
         check_eagle_fits(net, target, f"--drafter {spec}")
         return Eagle(net, target, tree_budget, topk, depth)
+    if kind == "dflash":
+        from mlx_spec.drafters.dflash import DFlash, check_dflash_fits, load_dflash
+
+        net, _, _ = load_dflash(source, revision)
+        check_dflash_fits(net, target, f"--drafter {spec}")
+        return DFlash(net, target, tree_budget, block_size)
     from mlx_spec.drafters.draft_model import DraftModel
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import check_same_vocab, load_tokenizer

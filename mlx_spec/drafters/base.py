@@ -6,7 +6,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from mlx_spec import tree
 from mlx_spec.sampling import SamplingParams
 
 
@@ -61,3 +63,26 @@ class Drafter(ABC):
         last token and the accepted drafts; while the prompt is read, a chunk
         of it.
         """
+
+
+def depth_tree(logits: mx.array, k: int, paths: list[list[int]] | None = None, budget: int | None = None,
+               topk: int = 10) -> Draft:
+    """A deterministic tree from one distribution per depth (`logits` `[D, V]`):
+    Medusa's heads, DFlash's block. Its nodes are the top candidates of each
+    depth, combined along static `paths` (ranks per depth) or, with `budget`,
+    the best-first tree of that many nodes by cumulative log-probability; at
+    most `k` deep."""
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    topk = min(topk, lp.shape[-1])
+    candidates = mx.argsort(-lp, axis=-1)[:, :topk]  # [D, topk], most likely first
+    depth_max = min(k, lp.shape[0])
+    if budget is not None:
+        scores = np.array(mx.take_along_axis(lp, candidates, axis=-1)[:depth_max])  # [D, topk], descending
+        paths = tree.best_first(scores, budget)
+    else:
+        paths = [p for p in paths or [] if len(p) <= depth_max and max(p) < topk]
+    if not paths:
+        return Draft(mx.array([], dtype=mx.int32))
+    parents, depth, rank = tree.from_paths(paths)
+    tokens = candidates[mx.array(depth) - 1, mx.array(rank)].astype(mx.int32)  # [N]
+    return Draft(tokens, None, parents)

@@ -35,13 +35,12 @@ import numpy as np
 
 from mlx_spec import hub, tree
 from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.convert.readers import read_safetensors
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import MLP, Attention, Model
-from mlx_spec.models.load import check_weights, compute_dtype, read_json
+from mlx_spec.models.load import load_module_weights, read_json
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams, log_probs
 
@@ -197,18 +196,9 @@ def load_eagle(path_or_repo: str, revision: str | None = None) -> tuple[EagleNet
     if not isinstance(config.get("eagle"), dict):
         raise UserError(f"{config_path}: no 'eagle' section (convert published EAGLE drafters with mlx-spec convert)")
     net = EagleNet(config, str(config_path))
-    weights, origin = read_safetensors(path)
-    check_weights(net.weights(), weights, origin, path, f"an EAGLE-{net.version} drafter")
-    dtype = compute_dtype()
-    if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    net.load_weights(list(weights.items()))
+    load_module_weights(net, path, f"an EAGLE-{net.version} drafter")
     if net.version == 3:
         net.d2t = net.d2t.astype(mx.int32)  # published as int64
-    try:
-        mx.eval(net.parameters())
-    except RuntimeError as e:
-        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
     return net, config, path
 
 

@@ -25,12 +25,11 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_spec import hub, tree
 from mlx_spec.convert.readers import read_safetensors
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.llama import Model
@@ -138,27 +137,8 @@ class Medusa(Drafter):
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         self.hidden = features[0][0, -1]
 
-    def _tree(self, scores: mx.array, k: int) -> tuple[list[int], list[int], list[int]]:
-        """(parents, depth, rank) of this round's tree, at most `k` deep."""
-        depth_max = min(k, len(self.heads.heads))
-        if self.budget is not None:
-            top = np.array(scores[:depth_max])  # [D, TOPK], descending
-            paths = tree.best_first(top, self.budget)
-        else:
-            paths = [p for p in self.paths if len(p) <= depth_max and max(p) < scores.shape[-1]]
-        return tree.from_paths(paths)
-
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
         if self.hidden is None:
             return Draft(mx.array([], dtype=mx.int32))
-        h = self.target.model.norm(self.hidden)
-        logits = self.heads(h)[..., : self.target.args.vocab_size]  # [K, V]
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        topk = min(TOPK, lp.shape[-1])
-        candidates = mx.argsort(-lp, axis=-1)[:, :topk]  # [K, TOPK]
-        scores = mx.take_along_axis(lp, candidates, axis=-1)
-        parents, depth, rank = self._tree(scores, k)
-        if not parents:
-            return Draft(mx.array([], dtype=mx.int32))
-        tokens = candidates[mx.array(depth) - 1, mx.array(rank)].astype(mx.int32)  # [N]
-        return Draft(tokens, None, parents)
+        logits = self.heads(self.target.model.norm(self.hidden))[..., : self.target.args.vocab_size]  # [K, V]
+        return depth_tree(logits, k, self.paths, self.budget, TOPK)

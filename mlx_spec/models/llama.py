@@ -57,17 +57,27 @@ class Attention(nn.Module):
         """Queries, keys and values `[B, H, S, D]`, rotated to their positions."""
         B, S, _ = x.shape
         q = self.q_proj(x).reshape(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
+        if self.qk_norm:
+            q = self.q_norm(q)
+        k, v = self.keys_values(x, offset, positions)
+        return self._rotate(q, offset, positions), k, v
+
+    def keys_values(
+        self, x: mx.array, offset: int | mx.array, positions: mx.array | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Keys (rotated) and values `[B, H_kv, S, D]` alone (DFlash's context)."""
+        B, S, _ = x.shape
         k = self.k_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(B, S, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            k = self.k_norm(k)
+        return self._rotate(k, offset, positions), v.transpose(0, 2, 1, 3)
+
+    def _rotate(self, x: mx.array, offset: int | mx.array, positions: mx.array | None) -> mx.array:
+        """`[B, S, heads, D]` -> rotated `[B, heads, S, D]`."""
         if positions is None:
-            q = self.rope(q.transpose(0, 2, 1, 3), offset)  # [B, H, S, D]
-            k = self.rope(k.transpose(0, 2, 1, 3), offset)
-        else:
-            q = self.rope.at_positions(q, positions).transpose(0, 2, 1, 3)
-            k = self.rope.at_positions(k, positions).transpose(0, 2, 1, 3)
-        return q, k, v.transpose(0, 2, 1, 3)
+            return self.rope(x.transpose(0, 2, 1, 3), offset)
+        return self.rope.at_positions(x, positions).transpose(0, 2, 1, 3)
 
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None, cache: KVCache | None

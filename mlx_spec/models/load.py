@@ -109,14 +109,27 @@ def load_model(path_or_repo: str, revision: str | None = None, for_training: boo
     config = read_json(config_path)
     weights, origin = read_safetensors(path)
     model, weights = checked_weights(config, config_path, weights, origin, path)
-    dtype = compute_dtype()
-    if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    model.load_weights(list(weights.items()))
-    try:
-        mx.eval(model.parameters())
-    except RuntimeError as e:
-        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
+    _load_into(model, weights, path)
     if not for_training:
         model.compile()
     return model, path
+
+
+def load_module_weights(module: nn.Module, path: Path, what: str) -> None:
+    """Load `path`'s safetensors into `module` (a drafter), checked against its
+    parameters; floating weights in the compute dtype."""
+    weights, origin = read_safetensors(path)
+    check_weights(dict(tree_flatten(module.parameters())), weights, origin, path, what)
+    _load_into(module, weights, path)
+
+
+def _load_into(module: nn.Module, weights: Mapping[str, mx.array], path: Path) -> None:
+    """Floating weights in the compute dtype, loaded and read now (a damaged file is reported here)."""
+    dtype = compute_dtype()
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    module.load_weights(list(weights.items()))
+    try:
+        mx.eval(module.parameters())
+    except RuntimeError as e:
+        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None

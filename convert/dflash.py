@@ -1,0 +1,168 @@
+"""z-lab's DFlash drafters -> a DFlash folder that `load_dflash` (and so
+`--drafter dflash=OUT`) reads.
+
+A published repo holds `config.json`, a Qwen3 body (`"model_type": "qwen3"`,
+`"architectures": ["DFlashDraftModel"]`) with `dflash_config`
+(`mask_token_id`, `target_layer_ids`) and `block_size` at the top level (the
+Qwen3 and LLaMA drafts) or inside `dflash_config` (Qwen3.5 on), and one bf16
+`model.safetensors` named as `DFlashNet`'s parameters, without a prefix (`fc`,
+`hidden_norm`, `layers.{i}.*`, `norm`). The tensors are checked and written
+unchanged; a re-export's `model.` prefix and vLLM's aliases are undone. The
+config is kept as published (`DFlashNet` reads `block_size` in either place),
+with the layer kinds written out when it lists none: z-lab's loader reads the
+config through transformers' Qwen3Config, where `sliding_window` counts only
+with `use_sliding_window` and, without `layer_types`, applies from layer
+`max_window_layers` on.
+
+Refused, each in one line: DFlash 2 (`DFlash2DraftModel`, whose convolutions
+and candidate selector `DFlashNet` lacks), speculators' DFlash layout,
+Gemma-4's embedding and logit scaling, and a drafter's own `lm_head` or
+`embed_tokens`: DFlash uses the target's, and one a drafter ships may have been
+trained (vLLM then uses it), so dropping it is not known to be safe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_spec import hub
+from mlx_spec.convert.family import Converted, Source
+from mlx_spec.convert.readers import read_safetensors
+from mlx_spec.drafters.dflash import DFlashNet, check_dflash_fits
+from mlx_spec.errors import UserError
+from mlx_spec.models.config import parse_config
+from mlx_spec.models.llama import Model
+from mlx_spec.models.load import read_json
+
+NAME = "dflash"
+DESCRIPTION = "z-lab's DFlash drafters (DFlashDraftModel) in model.safetensors"
+# load_dflash reads unquantized weights only.
+QUANTIZABLE = False
+
+WEIGHTS = ("model*.safetensors", "model.safetensors.index.json")
+
+# Other spellings of z-lab's names: vLLM's aliases (after any `model.` prefix, which
+# vLLM's loader puts on every weight).
+_ALIASES = {"midlayer.": "layers.0.", "encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+_OWN_HEADS = ("lm_head.", "embed_tokens.")
+_DFLASH2_CONFIG = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DFLASH2_TENSORS = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+# dflash_config entries of Gemma-4 drafts that DFlash does not apply -> their no-op value
+_SCALING = {"input_embedding_scale": 1, "output_multiplier": 1, "final_logit_softcapping": 0}
+
+
+def detect(source: Source) -> bool:
+    config = source.config
+    architectures = " ".join(map(str, config.get("architectures") or [])).lower()
+    return "dflash" in architectures or "dflash_config" in config or config.get("speculators_model_type") == "dflash"
+
+
+def fetch(source: Source) -> Path:
+    # Just config and weights: not the remote code (dflash.py) nor the README.
+    return hub.resolve(source.name, source.revision, ["config.json", *WEIGHTS])
+
+
+def _config(published: dict, where: Path) -> dict:
+    """The config to write, after refusing what DFlashNet cannot run."""
+    if published.get("speculators_model_type") == "dflash":
+        raise UserError(
+            f"{where}: speculators' DFlash layout (transformer_layer_config) is not supported; convert z-lab's"
+        )
+    extra = published.get("dflash_config") or {}
+    architectures = [str(a) for a in published.get("architectures") or []]
+    if any("DFlash2" in a for a in architectures) or any(k in extra for k in _DFLASH2_CONFIG):
+        raise UserError(
+            f"{where}: a DFlash 2 drafter ({', '.join(architectures) or 'dflash_config.conv_*/selector_*'}): its "
+            "convolutions and candidate selector are not supported; DFlash (DFlashDraftModel) drafters convert"
+        )
+    for key, neutral in _SCALING.items():
+        if extra.get(key) not in (None, neutral):
+            raise UserError(f"{where}: dflash_config.{key} {extra[key]} (Gemma-4 drafts) is not supported")
+    if "target_layer_ids" not in extra and not published.get("num_target_layers"):
+        raise UserError(
+            f"{where}: neither dflash_config.target_layer_ids nor num_target_layers says which target layers it reads"
+        )
+    config = dict(published)
+    window = published.get("sliding_window") if published.get("use_sliding_window") else None
+    kinds = published.get("layer_types")
+    if kinds is None:
+        first = published.get("max_window_layers", 28)  # Qwen3Config's default
+        n = int(published.get("num_hidden_layers") or 0)
+        kinds = config["layer_types"] = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)
+        ]
+    if "sliding_attention" in kinds and window is None:
+        raise UserError(
+            f"{where}: sliding_attention layers without use_sliding_window (z-lab's loader then drops "
+            "sliding_window) are not supported"
+        )
+    return config
+
+
+def _ours(name: str) -> str:
+    name = name.removeprefix("model.")
+    for alias, ours in _ALIASES.items():
+        if name.startswith(alias):
+            return ours + name.removeprefix(alias)
+    return name
+
+
+def convert(path: Path, source: Source) -> Converted:
+    config_path = path / "config.json"
+    config = _config(source.config, config_path)
+    net = DFlashNet(config, str(config_path))
+    vocab = config.get("vocab_size")
+    mask = net.settings["mask_token_id"]
+    if isinstance(vocab, int) and mask >= vocab:
+        raise UserError(
+            f"{config_path}: dflash_config.mask_token_id {mask} is outside the vocabulary of {vocab} tokens (vocab_size)"
+        )
+
+    weights, origin = read_safetensors(path)
+    files = sorted(set(origin.values()))
+    file = files[0] if len(files) == 1 else path  # what messages about missing tensors name
+    published: dict[str, str] = {}  # our name -> the file's
+    for name in weights:
+        ours = _ours(name)
+        if any(part in name for part in _DFLASH2_TENSORS):
+            raise UserError(f"{origin[name]}: tensor '{name}' is a DFlash 2 drafter's, which is not supported")
+        if ours.startswith(_OWN_HEADS):
+            raise UserError(
+                f"{origin[name]}: tensor '{name}': the drafter ships its own embedding or LM head, which is not "
+                "supported (DFlash uses the target's, and dropping a trained one would change the drafts)"
+            )
+        if ours in published:
+            raise UserError(f"{origin[name]}: holds both '{published[ours]}' and '{name}' (the same tensor)")
+        published[ours] = name
+
+    expected = {k: tuple(v.shape) for k, v in net.weights().items()}
+    for ours in sorted(published.keys() - expected.keys()):
+        raise UserError(f"{origin[published[ours]]}: unexpected tensor '{published[ours]}' in a DFlash drafter")
+    for ours in sorted(expected.keys() - published.keys()):
+        raise UserError(f"{file}: lacks tensor '{ours}'")
+    for ours, shape in expected.items():
+        name = published[ours]
+        value = weights[name]
+        if tuple(value.shape) != shape:
+            raise UserError(
+                f"{origin[name]}: tensor '{name}' has shape {tuple(value.shape)}, config.json implies {shape}"
+            )
+        if not mx.issubdtype(value.dtype, mx.floating):
+            dtype = str(value.dtype).removeprefix("mlx.core.")
+            raise UserError(f"{origin[name]}: tensor '{name}' is {dtype}, not floating point")
+    return Converted(config, {k: weights[published[k]] for k in expected}, {k: origin[published[k]] for k in expected})
+
+
+def build(config: dict) -> DFlashNet:
+    return DFlashNet(config)  # parameters initialised lazily, never evaluated here
+
+
+def check_target(converted: Converted, path: Path, target: str) -> None:
+    """The drafter reads the target's hidden states, embedding (the mask row
+    included) and LM head."""
+    target_path = hub.resolve(target, None, ["config.json"])  # its weights are not needed
+    config = target_path / "config.json"
+    args = parse_config(read_json(config), f"--target {target}: {config}")
+    check_dflash_fits(build(converted.config), Model(args), f"--target {target}")

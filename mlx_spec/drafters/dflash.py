@@ -1,0 +1,220 @@
+"""DFlash (z-lab): a block-diffusion drafter that fills a whole block in one forward.
+
+The block is the last accepted token (the anchor, which the target has not
+run yet) followed by mask tokens; a few Qwen3 decoder layers run over it, the
+block's tokens attending to each other bidirectionally (causally in
+sliding-window layers), and the target's LM head reads every position after
+the anchor: B - 1 drafts for the cost of one small forward.
+
+The target's context enters as keys and values only: the outputs of the
+target's layers `target_layer_ids` are concatenated, projected by `fc` and
+normed by `hidden_norm`, and every draft layer projects them with its own
+`k_proj`/`v_proj` (with `k_norm` and RoPE at the tokens' positions) and puts
+them before the block's own. They never enter the residual stream, and they
+are all the drafter caches: each round adds the newly accepted tokens'.
+
+The weights are z-lab's, named as published (`fc`, `hidden_norm`,
+`layers.{i}.*`, `norm`); the embedding and LM head are the target's. A
+z-lab folder loads as it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_spec import hub
+from mlx_spec.cache import KVCache
+from mlx_spec.drafters.base import Draft, Drafter, depth_tree
+from mlx_spec.errors import UserError
+from mlx_spec.files import write_model_files
+from mlx_spec.models.config import parse_config
+from mlx_spec.models.llama import DecoderLayer, Model
+from mlx_spec.models.load import load_module_weights, read_json
+from mlx_spec.models.rope import RoPE
+from mlx_spec.sampling import SamplingParams, log_probs
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default taps when a config names none: from layer 1 to L - 3, evenly
+    (kept inside the target when it has fewer than 5 layers)."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [min(max(round(1 + i * (L - 4) / (n - 1)), 0), L - 1) for i in range(n)]
+
+
+def dflash_settings(config: dict, where: str) -> dict:
+    """block_size, mask_token_id, target_layer_ids, layer kinds and window, wherever the config keeps them."""
+    extra = config.get("dflash_config") or {}
+    block = extra.get("block_size", config.get("block_size"))
+    if not isinstance(block, int) or block < 2:
+        raise UserError(f"{where}: 'block_size' (top level or in dflash_config) must be an integer >= 2")
+    mask_id = extra.get("mask_token_id", config.get("mask_token_id"))
+    if not isinstance(mask_id, int) or mask_id < 0:
+        raise UserError(f"{where}: 'dflash_config.mask_token_id' must be a token id")
+    n_layers = int(config.get("num_hidden_layers", 0))
+    layers = extra.get("target_layer_ids") or default_target_layers(int(config.get("num_target_layers") or 0), n_layers)
+    kinds = config.get("layer_types") or ["full_attention"] * n_layers
+    if len(kinds) != n_layers or any(k not in ("full_attention", "sliding_attention") for k in kinds):
+        raise UserError(f"{where}: 'layer_types' must list full_attention or sliding_attention for each of {n_layers} layers")
+    window = config.get("sliding_window") or 0
+    if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
+        raise UserError(f"{where}: sliding-window layers need 'sliding_window'")
+    causal = extra.get("causal", config.get("is_causal"))
+    return {"block_size": block, "mask_token_id": mask_id, "target_layer_ids": [int(i) for i in layers],
+            "layer_types": kinds, "sliding_window": window, "causal": causal}
+
+
+class DFlashNet(nn.Module):
+    def __init__(self, config: dict, where: str = "config.json"):
+        super().__init__()
+        # The draft body is a Qwen3 decoder, whatever its config calls itself.
+        # Sliding windows are DFlash's own here (`_mask`), not the decoder's.
+        self.args = args = parse_config({**config, "model_type": "qwen3", "use_sliding_window": False}, where)
+        self.settings = dflash_settings(config, where)
+        H = args.hidden_size
+        target_hidden = int(config.get("target_hidden_size") or H)
+        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.fc = nn.Linear(len(self.settings["target_layer_ids"]) * target_hidden, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, rope) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.settings["block_size"]
+
+    def _mask(self, i: int, cached: int, B: int) -> mx.array | None:
+        """Block queries see every cached context key; sliding-window layers see
+        the block causally and only the context inside the window."""
+        s = self.settings
+        sliding = s["layer_types"][i] == "sliding_attention"
+        causal = s["causal"] if s["causal"] is not None else sliding
+        if not (sliding or causal):
+            return None
+        q = cached + np.arange(B)[:, None]  # query positions (the block starts right after the context)
+        k = np.arange(cached + B)[None, :]
+        allowed = (k <= q) if causal else np.ones((B, cached + B), dtype=bool)
+        if sliding:
+            w = s["sliding_window"]
+            allowed &= (q - k < w) & (causal | (k - q < w))  # the window, on both sides when not causal
+        return mx.array(allowed)
+
+    def __call__(self, block: mx.array, context: mx.array | None, cache: list[KVCache]) -> mx.array:
+        """`block` embeddings `[1, B, H]`, new context features `[1, S, F]` (or None)
+        -> normed output states `[1, B, H]`. The context's keys and values are
+        appended to `cache` (one per layer); the block's are not kept."""
+        ctx = self.hidden_norm(self.fc(context)) if context is not None else None  # [1, S, H]
+        x = block
+        B = block.shape[1]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            c = cache[i]
+            if ctx is not None:
+                c.update_and_fetch(*attn.keys_values(ctx, c.offset))
+            cached = c.offset
+            q, kb, vb = layer.pre(x, cached, None)  # the block sits right after the context
+            keys = mx.concatenate([c.keys[..., :cached, :], kb], axis=2) if cached else kb
+            values = mx.concatenate([c.values[..., :cached, :], vb], axis=2) if cached else vb
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=self._mask(i, cached, B))
+            x = layer.post(x, out)
+        return self.norm(x)
+
+    def weights(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.parameters()))
+
+
+def load_dflash(path_or_repo: str, revision: str | None = None) -> tuple[DFlashNet, dict, Path]:
+    """A DFlash folder: z-lab's as published, or one `mlx-spec convert`/`train dflash` wrote."""
+    path = hub.resolve(path_or_repo, revision)
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    net = DFlashNet(config, str(config_path))
+    load_module_weights(net, path, "a DFlash drafter")
+    return net, config, path
+
+
+def save_dflash(out: Path, net: DFlashNet, config: dict) -> None:
+    write_model_files(out, config, net.weights())
+
+
+def check_dflash_fits(net: DFlashNet, target: Model, what: str) -> None:
+    t = target.args
+    s = net.settings
+    if any(not 0 <= j < t.num_hidden_layers for j in s["target_layer_ids"]):
+        raise UserError(f"{what}: target_layer_ids {s['target_layer_ids']} outside the target's 0..{t.num_hidden_layers - 1}")
+    if net.fc.weight.shape[1] != len(s["target_layer_ids"]) * t.hidden_size:
+        raise UserError(f"{what}: fc reads {net.fc.weight.shape[1]} features, the target gives "
+                        f"{len(s['target_layer_ids'])} x {t.hidden_size}")
+    if net.args.hidden_size != t.hidden_size:
+        raise UserError(f"{what}: drafter hidden size {net.args.hidden_size}, the target's is {t.hidden_size}")
+    if not 0 <= s["mask_token_id"] < t.vocab_size:
+        raise UserError(f"{what}: mask_token_id {s['mask_token_id']} is outside the target's embedding (0..{t.vocab_size - 1})")
+
+
+def dflash_config(target: Model, num_layers: int, block_size: int, mask_token_id: int,
+                  target_layers: list[int] | None = None, intermediate_size: int | None = None) -> dict:
+    """The config of a new DFlash drafter for `target` (z-lab's layout)."""
+    t = target.args
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": t.hidden_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim,
+        "intermediate_size": intermediate_size or t.intermediate_size, "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
+        "vocab_size": t.vocab_size, "num_target_layers": t.num_hidden_layers, "block_size": block_size,
+        "dflash_config": {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": target_layers or default_target_layers(t.num_hidden_layers, num_layers),
+        },
+    }
+
+
+class DFlash(Drafter):
+    """One block per round: a chain of its drafts, or with `budget` a DDTree
+    (the best-first tree of that many nodes over the block's per-position
+    distributions)."""
+
+    name = "dflash"
+    costly = True
+
+    def __init__(self, net: DFlashNet, target: Model, budget: int | None = None, block_size: int | None = None):
+        self.net, self.target, self.budget = net, target, budget
+        self.block_size = block_size or net.block_size
+        self.capture = tuple(j + 1 for j in net.settings["target_layer_ids"])  # outputs of those layers
+        self.reset([])
+
+    def new_session(self) -> DFlash:
+        return DFlash(self.net, self.target, self.budget, self.block_size)
+
+    def reset(self, prompt: list[int]) -> None:
+        self.cache = [KVCache() for _ in self.net.layers]
+        self.pending: list[mx.array] = []
+
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        if features:
+            self.pending.append(mx.concatenate(features, axis=-1))  # [1, n, K * H]
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        ctx = mx.concatenate(self.pending, axis=1) if self.pending else None
+        self.pending = []
+        B = self.block_size
+        block = mx.array([context[-1]] + [self.net.settings["mask_token_id"]] * (B - 1))[None]
+        # The context holds every token before the anchor (none for a one-token prompt).
+        h = self.net(self.target.model.embed_tokens(block), ctx, self.cache)
+        logits = self.target.unembed(h[0, 1 : 1 + k])  # [k, V]: position i + 1 drafts token i
+        if self.budget is not None:
+            return depth_tree(logits, k, budget=self.budget)
+        if params.greedy:
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+            mx.eval(tokens)
+            return Draft(tokens)
+        lp = log_probs(logits, params)
+        tokens = mx.random.categorical(lp, axis=-1).astype(mx.int32)
+        mx.eval(tokens, lp)
+        return Draft(tokens, lp)
