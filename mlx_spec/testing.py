@@ -264,9 +264,25 @@ def train_copy_model(out: str | Path, steps: int = 400, seed: int = 0, task: str
     return out
 
 
+def write_stride_data(folder: str | Path, train: int = 400, valid: int = 32, length: int = 48) -> Path:
+    """`folder/{train,valid}.jsonl`: `stride_row`s written as letters, for training drafters of the stride model."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    letters = list(range(len(COPY_ALPHABET)))
+    for name, n in (("train", train), ("valid", valid)):
+        rows = ("".join(COPY_ALPHABET[i] for i in stride_row(rng, letters, length)) for _ in range(n))
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    return folder
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write a random checkpoint in Hugging Face layout.")
+    parser = argparse.ArgumentParser(
+        description="Write a random checkpoint in Hugging Face layout, or with --task one trained on a toy task."
+    )
     parser.add_argument("out")
+    parser.add_argument("--task", choices=("copy", "stride"), default=None,
+                        help="train a tiny model on the task instead (and, for stride, write OUT/data for its drafters)")
     parser.add_argument("--arch", default="qwen3", choices=sorted(ARCH_DEFAULTS))
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -277,6 +293,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantize-bits", type=int, default=None)
     a = parser.parse_args()
+    if a.task:
+        train_copy_model(a.out, 400 if a.task == "copy" else 200, a.seed, a.task)
+        if a.task == "stride":
+            write_stride_data(Path(a.out) / "data")
+        print(a.out)
+        return
     overrides = dict(
         hidden_size=a.hidden,
         num_hidden_layers=a.layers,

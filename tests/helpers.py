@@ -25,23 +25,6 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles) -> None:
         assert str(needle) in lines[0], lines[0]
 
 
-def write_stride_data(folder, train: int = 400, valid: int = 32):
-    """JSONL rows of the stride model's task (`mlx_spec.testing.stride_row`), as letters."""
-    import json
-
-    import numpy as np
-
-    from mlx_spec.testing import COPY_ALPHABET, stride_row
-
-    folder.mkdir()
-    rng = np.random.default_rng(1)
-    letters = list(range(len(COPY_ALPHABET)))
-    for name, n in (("train", train), ("valid", valid)):
-        rows = ("".join(COPY_ALPHABET[i] for i in stride_row(rng, letters, 48)) for _ in range(n))
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    return folder
-
-
 def tau_on_held_out_rows(target, model_dir, make_drafter, num_draft=None, max_tokens=24) -> float:
     """Tokens per target forward over 8 stride rows the training never saw;
     checks each output against plain greedy decoding on the way."""

@@ -114,7 +114,8 @@ def test_trained_dflash_accepts_and_ddtree_beats_the_block(stride_model, tmp_pat
     held-out rows, more than 2.5 tokens per target forward from one block, more
     with a DDTree over the same block."""
     from conftest import _fast_blas_env
-    from helpers import cli, tau_on_held_out_rows, write_stride_data
+    from helpers import cli, tau_on_held_out_rows
+    from mlx_spec.testing import write_stride_data
 
     data = write_stride_data(tmp_path / "data")
     out = tmp_path / "dflash"

@@ -119,7 +119,8 @@ def test_trained_eagle3_accepts_and_trees_beat_chains(stride_model, tmp_path):
     held-out rows, >= 2 tokens per target forward, more with a dynamic tree
     than with a chain of the same depth."""
     from conftest import _fast_blas_env
-    from helpers import cli, tau_on_held_out_rows, write_stride_data
+    from helpers import cli, tau_on_held_out_rows
+    from mlx_spec.testing import write_stride_data
 
     data = write_stride_data(tmp_path / "data")
     out = tmp_path / "eagle3"
@@ -139,7 +140,8 @@ def test_trained_eagle3_accepts_and_trees_beat_chains(stride_model, tmp_path):
 
 def test_train_eagle1_writes_a_loadable_drafter(stride_model, tmp_path):
     from conftest import _fast_blas_env
-    from helpers import cli, write_stride_data
+    from helpers import cli
+    from mlx_spec.testing import write_stride_data
 
     data = write_stride_data(tmp_path / "data")
     out = tmp_path / "eagle1"
