@@ -185,11 +185,11 @@ class DraftLength:
         self.reached = d * self.reached + n + (n < k)
 
 
-def _verify_chain(model, cache, context, draft, params, capture):
+def _verify_chain(model, cache, context, draft, params, drafter):
     """One target forward over [last context token] + chain -> (accepted node indices, next token, hidden)."""
     k = len(draft)
     inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
-    logits, hidden = model(inputs[None], cache, capture=capture)  # [1, K+1, V]
+    logits, hidden = drafter.verify_forward(model, inputs[None], cache)  # [1, K+1, V]
     logits = logits[0]
     if k == 0:
         n, token = mx.array(0), sample(logits[-1], params)
@@ -259,6 +259,7 @@ def speculative_steps(
     k_max = num_draft or k_max
     cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + k_max + 1)
     context = list(prompt)
+    drafter.bind(cache)
     drafter.reset(context)
     # A drafter reading the target's features gets the prompt's as they are computed.
     consume = (lambda end, hidden: drafter.commit(context[: end + 1], hidden)) if drafter.capture else None
@@ -273,7 +274,7 @@ def speculative_steps(
             draft = _depth_limited(draft, k)
         mid = time.perf_counter()
         if draft.parents is None:
-            path, token, hidden = _verify_chain(model, cache, context, draft, params, drafter.capture)
+            path, token, hidden = _verify_chain(model, cache, context, draft, params, drafter)
         else:
             path, token, hidden = _verify_tree(model, cache, context, draft, params, drafter.capture, acceptance)
         toc = time.perf_counter()

@@ -264,15 +264,17 @@ def train_copy_model(out: str | Path, steps: int = 400, seed: int = 0, task: str
     return out
 
 
-def write_stride_data(folder: str | Path, train: int = 400, valid: int = 32, length: int = 48) -> Path:
-    """`folder/{train,valid}.jsonl`: `stride_row`s written as letters, for training drafters of the stride model."""
+def write_stride_data(folder: str | Path, model_dir: str | Path, train: int = 400, valid: int = 32,
+                      length: int = 48) -> Path:
+    """`folder/{train,valid}.jsonl`: `stride_row`s as token ids of the stride
+    model in `model_dir` (as text, its BPE would merge some letter pairs)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(1)
-    letters = list(range(len(COPY_ALPHABET)))
+    ids = copy_token_ids(model_dir)
     for name, n in (("train", train), ("valid", valid)):
-        rows = ("".join(COPY_ALPHABET[i] for i in stride_row(rng, letters, length)) for _ in range(n))
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+        rows = (stride_row(rng, ids, length) for _ in range(n))
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"tokens": r}) + "\n" for r in rows))
     return folder
 
 
@@ -296,7 +298,7 @@ def main() -> None:
     if a.task:
         train_copy_model(a.out, 400 if a.task == "copy" else 200, a.seed, a.task)
         if a.task == "stride":
-            write_stride_data(Path(a.out) / "data")
+            write_stride_data(Path(a.out) / "data", a.out)
         print(a.out)
         return
     overrides = dict(

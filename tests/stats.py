@@ -13,10 +13,9 @@ from mlx_spec.testing import make_config, random_weights
 
 
 def tiny(seed: int, vocab: int, logit_scale: float = 1.0, **overrides) -> Model:
-    config = make_config(
-        "qwen3", vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, **overrides,
-    )
+    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, intermediate_size=64)
+    config = make_config("qwen3", vocab_size=vocab, **{**shape, **overrides})
     weights = random_weights(config, seed)
     weights["model.norm.weight"] *= logit_scale  # flatter or peakier next-token distributions
     model = Model(parse_config(config))

@@ -117,9 +117,9 @@ def test_trained_dflash_accepts_and_ddtree_beats_the_block(stride_model, tmp_pat
     from helpers import cli, tau_on_held_out_rows
     from mlx_spec.testing import write_stride_data
 
-    data = write_stride_data(tmp_path / "data")
+    data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "dflash"
-    proc = cli("train", "dflash", "--target", stride_model, "--data", data, "-o", out, "--steps", "300",
+    proc = cli("train", "dflash", "--target", stride_model, "--data", data, "-o", out, "--steps", "80",
                "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10", "--block-size", "8",
                "--loss-decay", "0.7", "--save-every", "100", "--quiet", env=_fast_blas_env())
     assert proc.returncode == 0, proc.stderr

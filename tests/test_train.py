@@ -149,3 +149,13 @@ def test_packing_keeps_long_examples_whole():
     assert len(packed.rows) == (39 + 1 + 3 + 1) // 10
     padded = Batches([long, short], batch_size=1, seq_len=9, eos=0, pack=False)
     assert sorted(len(toks) for toks, _ in padded.rows) == [3, 10]
+
+
+def test_pre_tokenized_rows():
+    from mlx_spec.errors import UserError
+    from mlx_spec.train.data import encode_example
+
+    assert encode_example(None, {"tokens": [5, 6, 7]}, "d.jsonl:1").tokens == [5, 6, 7]
+    for bad in ([], [1, -2], ["a"], "123"):
+        with pytest.raises(UserError, match="d.jsonl:2: 'tokens'"):
+            encode_example(None, {"tokens": bad}, "d.jsonl:2")

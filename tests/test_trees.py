@@ -275,7 +275,7 @@ def test_trained_medusa_heads_raise_accepted_length(stride_model, tmp_path):
     from mlx_spec.testing import write_stride_data
     from mlx_spec.drafters.medusa import load_medusa
 
-    data = write_stride_data(tmp_path / "data")
+    data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "medusa"
     proc = cli("train", "medusa", "--target", stride_model, "--data", data, "-o", out, "--heads", "3",
                "--steps", "150", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10",

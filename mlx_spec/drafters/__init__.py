@@ -2,7 +2,7 @@
 
 SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
 `medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`,
-`dflash=PATH_OR_REPO`.
+`dflash=PATH_OR_REPO`, `layerskip[=E]`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash")
+KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash", "layerskip")
 TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash")
 PUBLISHED = ("medusa", "eagle", "eagle3", "dflash")  # kinds the registry knows for some targets
 
@@ -59,6 +59,13 @@ def make_drafter(
             )
     if needs_source and not source:
         raise UserError(f"--drafter {kind}: give the model as {kind}=PATH_OR_REPO")
+    if kind == "layerskip":
+        from mlx_spec.drafters.layerskip import LayerSkip
+
+        L = target.args.num_hidden_layers
+        if source and not (source.isdigit() and 0 < int(source) < L):
+            raise UserError(f"--drafter layerskip={source}: the exit layer must be an integer in 1..{L - 1}")
+        return LayerSkip(target, int(source) if source else None)
     if source and not needs_source:
         raise UserError(f"--drafter {kind}: takes no source, got '{source}'")
     if kind == "none":

@@ -46,6 +46,14 @@ class Drafter(ABC):
     def reset(self, prompt: list[int]) -> None:
         """A new generation of the same session starts from `prompt`."""
 
+    def bind(self, cache: list) -> None:
+        """The target's KV cache for this generation (self-speculation drafts into it)."""
+
+    def verify_forward(self, target, inputs: mx.array, cache: list) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The target's forward over a chain `[1, K+1]` -> (logits, the `capture`d hidden
+        states); a drafter that already ran part of it (LayerSkip) reuses that."""
+        return target(inputs, cache, capture=self.capture)
+
     @abstractmethod
     def new_session(self) -> "Drafter":
         """A drafter like this one (same weights, same settings) with no history."""

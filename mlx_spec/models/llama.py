@@ -186,6 +186,14 @@ class Model(nn.Module):
     def make_cache(self, capacity: int = 0) -> list[KVCache]:
         return make_cache(len(self.layers), capacity)
 
+    def run_layers(self, h: mx.array, cache: Sequence[KVCache], layers: range) -> mx.array:
+        """Layers `layers` only, over `h` `[B, S, H]` (causal), each with its cache
+        (LayerSkip drafts with the first ones and verifies with the rest)."""
+        mask = "causal" if h.shape[1] > 1 else None
+        for i in layers:
+            h = self.layers[i](h, mask, cache[i], None)
+        return h
+
     def head(self, h: mx.array) -> mx.array:
         """Final norm and LM head: `[B, S, H] -> [B, S, V]`."""
         return self.unembed(self.model.norm(h))

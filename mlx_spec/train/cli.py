@@ -104,6 +104,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="replace the answers of prompt/completion and chat examples by the target's own (greedy)")
     add_train_args(d)
     d.set_defaults(func=run_dflash, lr=1e-3)
+    ls = kinds.add_parser(
+        "layerskip",
+        help="fine-tune a target so that its early layers draft (LayerSkip)",
+        description="LayerSkip: the target is fine-tuned in place with layer dropout rising with depth and an "
+                    "early-exit loss; OUT is a model folder to use with --drafter layerskip[=E].",
+    )
+    ls.add_argument("--target", required=True, help="the model to fine-tune: folder or Hub repo id")
+    ls.add_argument("--layer-dropout", type=float, default=0.1, help="skip probability of the last layer (rising from 0)")
+    ls.add_argument("--exit-scale", type=float, default=1.0, help="weight of the early exits' losses (layer l: scale x (l+1)/L)")
+    add_train_args(ls)
+    ls.set_defaults(func=run_layerskip, lr=1e-4)
 
 
 def train_config(args: argparse.Namespace):
@@ -332,5 +343,34 @@ def run_dflash(args: argparse.Namespace) -> int:
     result = trainer.fit(resume=args.resume)
     if trainer.group.rank() == 0:
         save_dflash(args.out, net, config)
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0
+
+
+def run_layerskip(args: argparse.Namespace) -> int:
+    from mlx_spec.files import write_model_files
+    from mlx_spec.models import load_model
+    from mlx_spec.models.load import read_json
+    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec.train.layerskip import KeyedBatches, exit_agreement, make_objective
+    from mlx_spec.train.trainer import Trainer
+
+    if not 0 <= args.layer_dropout < 1 or args.exit_scale < 0:
+        raise UserError("--layer-dropout must be in [0, 1) and --exit-scale >= 0")
+    tconfig = train_config(args)
+    model, path = load_model(args.target, for_training=True)
+    batches, valid_batches = data_batches(args, load_tokenizer(path))
+    n_eval = min(args.eval_batches, len(valid_batches))
+    exit_layer = max(len(model.layers) // 2, 1)
+    trainer = Trainer(
+        model, make_objective(args.layer_dropout, args.exit_scale), KeyedBatches(batches, args.seed), tconfig,
+        valid=KeyedBatches(valid_batches, args.seed + 1),
+        evaluate=lambda m: exit_agreement(m, valid_batches, n_eval, exit_layer),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        from mlx.utils import tree_flatten
+
+        write_model_files(args.out, read_json(path / "config.json"), dict(tree_flatten(model.parameters())), path)
         print(json.dumps({"out": str(args.out), **result}))
     return 0

@@ -56,6 +56,11 @@ def _chat(tokenizer, messages: list[dict], prefix: bool) -> list[int]:
 
 def encode_example(tokenizer, row: dict, where: str, chat_template: bool = True) -> Example:
     """Tokens of one JSONL row and where its targets start."""
+    if "tokens" in row:  # already tokenized, for this tokenizer
+        tokens = row["tokens"]
+        if not (isinstance(tokens, list) and tokens and all(isinstance(t, int) and t >= 0 for t in tokens)):
+            raise UserError(f"{where}: 'tokens' must be a non-empty list of token ids")
+        return Example(list(tokens), 0)
     use_chat = chat_template and tokenizer.chat_template is not None
     if "text" in row and isinstance(row["text"], str):
         return Example(list(tokenizer.encode(row["text"])), 0)
@@ -81,7 +86,7 @@ def encode_example(tokenizer, row: dict, where: str, chat_template: bool = True)
             prompt = list(tokenizer.encode(row["prompt"]))
             full = prompt + list(tokenizer.encode(row["completion"], add_special_tokens=False))
         return Example(full, len(prompt))
-    raise UserError(f"{where}: expected a 'text', 'messages' or 'prompt'/'completion' object")
+    raise UserError(f"{where}: expected a 'text', 'tokens', 'messages' or 'prompt'/'completion' object")
 
 
 def load_examples(path: Path, tokenizer, chat_template: bool = True) -> list[Example]:

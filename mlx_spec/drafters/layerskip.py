@@ -1,0 +1,94 @@
+"""LayerSkip (Elhoushi et al. 2024): the target drafts with its own first E layers.
+
+Drafting runs layers 0..E-1, the final norm and the LM head, writing those
+layers' keys and values into the target's own cache and keeping the layer-E
+input of each drafted token. Verification then reuses both: the tokens the
+draft already ran need only layers E..L-1, and only the last drafted token
+(which drafting never fed back) runs the first E layers. A round of K drafts
+costs K early-exit steps plus one pass of the remaining layers, against
+K early-exit steps and a full pass if verification started from scratch.
+
+Without a given E, `choose_exit` picks the layer whose early-exit predictions
+on the prompt promise the best speedup.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_spec.cache import KVCache
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.models.llama import Model
+from mlx_spec.sampling import SamplingParams, log_probs
+
+
+def choose_exit(target: Model, prompt: list[int], k: int = 4) -> int:
+    """The exit layer with the best expected speedup on `prompt`: each E's
+    agreement alpha with the full model's argmax there, a draft costing E/L of
+    a step and a verification (L-E)/L, speedup (1 - alpha^(k+1)) / ((1 - alpha)(k E/L + 1))."""
+    L = target.args.num_hidden_layers
+    if L < 2 or len(prompt) < 2:
+        return max(L // 2, 1)
+    logits, hidden = target(mx.array([prompt]), capture=tuple(range(1, L)))
+    full = mx.argmax(logits[0], axis=-1)  # [S]
+    best, best_speedup = max(L // 2, 1), 0.0
+    for E, h in zip(range(1, L), hidden):
+        alpha = min((mx.argmax(target.head(h[0]), axis=-1) == full).mean().item(), 0.999)
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        speedup = tokens / (k * E / L + 1)
+        if speedup > best_speedup:
+            best, best_speedup = E, speedup
+    return best
+
+
+class LayerSkip(Drafter):
+    name = "layerskip"
+    costly = True
+
+    def __init__(self, target: Model, exit_layer: int | None = None):
+        self.target, self.fixed = target, exit_layer
+        self.exit = exit_layer or max(target.args.num_hidden_layers // 2, 1)
+        self.cache: list[KVCache] = []
+        self.saved: mx.array | None = None  # layer-E inputs of the drafted-over tokens [1, k, H]
+
+    def new_session(self) -> LayerSkip:
+        return LayerSkip(self.target, self.fixed)
+
+    def bind(self, cache: list[KVCache]) -> None:
+        self.cache = cache
+
+    def reset(self, prompt: list[int]) -> None:
+        self.saved = None
+        if self.fixed is None:
+            self.exit = choose_exit(self.target, prompt)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        early = range(self.exit)
+        feed = mx.array(context[-1:])[None]  # the pending token first
+        states, tokens, dists = [], [], []
+        for i in range(k):
+            h = self.target.run_layers(self.target.model.embed_tokens(feed), self.cache, early)  # [1, 1, H]
+            states.append(h)
+            logits = self.target.head(h)[0, -1]  # [V]
+            if params.greedy:
+                token = mx.argmax(logits)
+            else:
+                dists.append(log_probs(logits, params))
+                token = mx.random.categorical(dists[-1])
+            tokens.append(token)
+            feed = token.reshape(1, 1)
+        self.saved = mx.concatenate(states, axis=1)  # [1, k, H]: the pending token and all drafts but the last
+        draft = mx.stack(tokens).astype(mx.int32)
+        lp = mx.stack(dists) if dists else None
+        mx.eval(draft, lp, self.saved)
+        return Draft(draft, lp)
+
+    def verify_forward(self, target, inputs: mx.array, cache: list) -> tuple[mx.array, tuple[mx.array, ...]]:
+        saved, self.saved = self.saved, None
+        if saved is None or saved.shape[1] != inputs.shape[1] - 1:
+            return target(inputs, cache, capture=self.capture)  # a plain round
+        L = target.args.num_hidden_layers
+        # Only the last draft has not been through the first E layers.
+        last = target.run_layers(target.model.embed_tokens(inputs[:, -1:]), cache, range(self.exit))
+        h = target.run_layers(mx.concatenate([saved, last], axis=1), cache, range(self.exit, L))
+        return target.head(h), ()
