@@ -80,6 +80,15 @@ def sample(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.random.categorical(log_probs(logits, params), axis=-1)
 
 
+def draw(logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array | None]:
+    """A drafter's tokens from `logits` `[..., V]`, and the log-probabilities they
+    were drawn from (None when greedy: the argmax, a deterministic draft)."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1), None
+    lp = log_probs(logits, params)
+    return mx.random.categorical(lp, axis=-1), lp
+
+
 # Acceptance rules for a chain of K draft tokens verified in one target forward.
 # `logits` [K+1, V] are the target's at the pending token and at each draft
 # token; row i scores the token after draft position i. Both rules return

@@ -32,6 +32,14 @@ class Draft:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    @classmethod
+    def chain(cls, tokens: list[mx.array], dists: list[mx.array | None]) -> Draft:
+        """A chain from per-step tokens and `draw`'s distributions, evaluated at once."""
+        draft = mx.stack(tokens).astype(mx.int32)  # [K]
+        lp = mx.stack(dists) if dists and dists[0] is not None else None  # [K, V]
+        mx.eval(draft, lp)
+        return cls(draft, lp)
+
 
 class Drafter(ABC):
     """Proposes tokens; keeps its own state in step with what the target accepted."""

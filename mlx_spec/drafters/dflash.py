@@ -36,7 +36,7 @@ from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
 from mlx_spec.models.load import load_module_weights, read_json
 from mlx_spec.models.rope import RoPE
-from mlx_spec.sampling import SamplingParams, log_probs
+from mlx_spec.sampling import SamplingParams, draw
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -210,11 +210,8 @@ class DFlash(Drafter):
         logits = self.target.unembed(h[0, 1 : 1 + k])  # [k, V]: position i + 1 drafts token i
         if self.budget is not None:
             return depth_tree(logits, k, budget=self.budget)
-        if params.greedy:
-            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-            mx.eval(tokens)
-            return Draft(tokens)
-        lp = log_probs(logits, params)
-        tokens = mx.random.categorical(lp, axis=-1).astype(mx.int32)
+        # Each position is drawn from its own distribution: p_i does not depend on the earlier drafts.
+        tokens, lp = draw(logits, params)  # [k], [k, V]
+        tokens = tokens.astype(mx.int32)
         mx.eval(tokens, lp)
         return Draft(tokens, lp)

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_spec.cache import KVCache, trim_cache
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.models.llama import Model
-from mlx_spec.sampling import SamplingParams, log_probs
+from mlx_spec.sampling import SamplingParams, draw
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -80,16 +80,11 @@ class DraftModel(Drafter):
         for _ in range(k):
             logits, _ = self.model(feed, self.cache)
             logits = self._to_target_vocab(logits[0, -1])  # [V]
-            if params.greedy:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                lp = log_probs(logits, params)
-                token = mx.random.categorical(lp)
-                dists.append(lp)
+            token, lp = draw(logits, params)
             tokens.append(token)
+            dists.append(lp)
             feed = token.reshape(1, 1)
-        draft = mx.stack(tokens).astype(mx.int32)  # [K]
-        mx.eval(draft, dists)
+        draft = Draft.chain(tokens, dists)
         # The cache now holds the context and every draft token but the last.
-        self.cached.extend(draft[:-1].tolist())
-        return Draft(draft, mx.stack(dists) if dists else None)  # log_probs [K, V]
+        self.cached.extend(draft.tokens[:-1].tolist())
+        return draft

@@ -42,7 +42,7 @@ from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import MLP, Attention, Model
 from mlx_spec.models.load import load_module_weights, read_json
 from mlx_spec.models.rope import RoPE
-from mlx_spec.sampling import SamplingParams, log_probs
+from mlx_spec.sampling import SamplingParams, draw
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -281,18 +281,12 @@ class Eagle(Drafter):
         drafted, dists = [], []
         for i in range(k):
             logits = self.net.logits(x[0, -1], self.target)  # [V]
-            if params.greedy:
-                token = mx.argmax(logits)
-            else:
-                dists.append(log_probs(logits, params))
-                token = mx.random.categorical(dists[-1])
+            token, lp = draw(logits, params)
             drafted.append(token)
+            dists.append(lp)
             if i + 1 < k:
                 x = self._step(self.net.next_feature(x), token.reshape(1, 1))
-        tokens = mx.stack(drafted).astype(mx.int32)
-        lp = mx.stack(dists) if dists else None
-        mx.eval(tokens, lp)
-        return Draft(tokens, lp)
+        return Draft.chain(drafted, dists)
 
     def _tree(self, k: int) -> Draft:
         """EAGLE-2: grow by cumulative confidence, then keep the best `budget` nodes."""

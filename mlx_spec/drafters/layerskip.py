@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.models.llama import Model
-from mlx_spec.sampling import SamplingParams, log_probs
+from mlx_spec.sampling import SamplingParams, draw
 
 
 def choose_exit(target: Model, prompt: list[int], k: int = 4) -> int:
@@ -70,18 +70,12 @@ class LayerSkip(Drafter):
             h = self.target.run_layers(self.target.model.embed_tokens(feed), self.cache, early)  # [1, 1, H]
             states.append(h)
             logits = self.target.head(h)[0, -1]  # [V]
-            if params.greedy:
-                token = mx.argmax(logits)
-            else:
-                dists.append(log_probs(logits, params))
-                token = mx.random.categorical(dists[-1])
+            token, lp = draw(logits, params)
             tokens.append(token)
+            dists.append(lp)
             feed = token.reshape(1, 1)
         self.saved = mx.concatenate(states, axis=1)  # [1, k, H]: the pending token and all drafts but the last
-        draft = mx.stack(tokens).astype(mx.int32)
-        lp = mx.stack(dists) if dists else None
-        mx.eval(draft, lp, self.saved)
-        return Draft(draft, lp)
+        return Draft.chain(tokens, dists)
 
     def verify_forward(self, target, inputs: mx.array, cache: list) -> tuple[mx.array, tuple[mx.array, ...]]:
         saved, self.saved = self.saved, None
