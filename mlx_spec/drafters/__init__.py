@@ -2,7 +2,7 @@
 
 SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
 `medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`,
-`dflash=PATH_OR_REPO`, `layerskip[=E]`.
+`dflash=PATH_OR_REPO`, `layerskip[=E]`, `mtp-heads=PATH`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash", "layerskip")
-TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash")
+KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash", "layerskip", "mtp-heads")
+TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash", "mtp-heads")
 PUBLISHED = ("medusa", "eagle", "eagle3", "dflash")  # kinds the registry knows for some targets
 
 
@@ -47,7 +47,7 @@ def make_drafter(
         raise UserError(f"--tree-budget needs a tree drafter ({', '.join(TREE_KINDS)}), not '{kind}'")
     if tree_paths is not None and kind != "medusa":
         raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
-    needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash")
+    needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads")
     if kind in PUBLISHED and not source and target_source is not None:
         from mlx_spec.convert.registry import find_drafter
 
@@ -98,6 +98,12 @@ def make_drafter(
         net, _, _ = load_dflash(source, revision)
         check_dflash_fits(net, target, f"--drafter {spec}")
         return DFlash(net, target, tree_budget, block_size)
+    if kind == "mtp-heads":
+        from mlx_spec.drafters.mtp_heads import MTPHeadsDrafter, check_mtp_heads_fit, load_mtp_heads
+
+        heads, _, _ = load_mtp_heads(source, revision)
+        check_mtp_heads_fit(heads, target, f"--drafter {spec}")
+        return MTPHeadsDrafter(heads, target, tree_budget)
     from mlx_spec.drafters.draft_model import DraftModel
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import check_same_vocab, load_tokenizer

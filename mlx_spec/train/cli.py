@@ -115,6 +115,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ls.add_argument("--exit-scale", type=float, default=1.0, help="weight of the early exits' losses (layer l: scale x (l+1)/L)")
     add_train_args(ls)
     ls.set_defaults(func=run_layerskip, lr=1e-4)
+    mh = kinds.add_parser(
+        "mtp-heads",
+        help="parallel multi-token-prediction heads on a frozen target",
+        description="MTP heads (Gloeckle et al.): a transformer block per head on the target's last hidden state, "
+                    "sharing its unembedding; OUT is a folder that --drafter mtp-heads=OUT loads.",
+    )
+    mh.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    mh.add_argument("--heads", type=int, default=3, help="number of heads (head k predicts the token k + 1 ahead)")
+    add_train_args(mh)
+    mh.set_defaults(func=run_mtp_heads, lr=1e-3)
 
 
 def train_config(args: argparse.Namespace):
@@ -372,5 +382,33 @@ def run_layerskip(args: argparse.Namespace) -> int:
         from mlx.utils import tree_flatten
 
         write_model_files(args.out, read_json(path / "config.json"), dict(tree_flatten(model.parameters())), path)
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0
+
+
+def run_mtp_heads(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from mlx_spec.drafters.mtp_heads import MTPHeads, mtp_heads_config, save_mtp_heads
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec.train.mtp_heads import make_objective
+    from mlx_spec.train.trainer import Trainer
+
+    if args.heads < 1:
+        raise UserError(f"--heads must be >= 1, got {args.heads}")
+    tconfig = train_config(args)
+    target, path = load_model(args.target, for_training=True)
+    target.freeze()
+    batches, valid_batches = data_batches(args, load_tokenizer(path))
+    config = mtp_heads_config(target, args.heads)
+    heads = MTPHeads(config)
+    for head in heads.heads:  # start from the target's last layer (copies: the target stays apart)
+        head.update(tree_map(mx.array, target.layers[-1].parameters()))
+    trainer = Trainer(heads, make_objective(target), batches, tconfig, valid=valid_batches)
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        save_mtp_heads(args.out, heads, config)
         print(json.dumps({"out": str(args.out), **result}))
     return 0

@@ -1,0 +1,117 @@
+"""Multi-token prediction with parallel heads (Gloeckle et al. 2024).
+
+Beside the target's own next-token prediction, head k (k = 1..n) is one
+transformer block over the trunk's output (the target's last hidden state,
+before its final norm), followed by the shared unembedding (the target's
+final norm and LM head), and predicts the token k + 1 ahead. Every head reads
+the same trunk state, so one round drafts a chain of the heads' top tokens, or
+a tree of their candidates; each head keeps its own KV cache over the trunk
+states of the committed tokens.
+
+A folder holds `config.json` (the target's layer shape and
+`mtp_heads: {"num_heads": n}`) and `model.safetensors` (`heads.{k}.*`, a
+decoder layer each, Hugging Face names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_spec import hub
+from mlx_spec.cache import KVCache
+from mlx_spec.drafters.base import Draft, Drafter, depth_tree
+from mlx_spec.errors import UserError
+from mlx_spec.files import write_model_files
+from mlx_spec.models.config import parse_config
+from mlx_spec.models.llama import DecoderLayer, Model
+from mlx_spec.models.load import load_module_weights, read_json
+from mlx_spec.models.rope import RoPE
+from mlx_spec.sampling import SamplingParams, draw
+
+
+class MTPHeads(nn.Module):
+    def __init__(self, config: dict, where: str = "config.json"):
+        super().__init__()
+        self.args = args = parse_config(config, where)
+        n = (config.get("mtp_heads") or {}).get("num_heads")
+        if not isinstance(n, int) or n < 1:
+            raise UserError(f"{where}: 'mtp_heads.num_heads' must be a positive integer")
+        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.heads = [DecoderLayer(args, rope) for _ in range(n)]
+
+    def __call__(self, trunk: mx.array, caches: list[KVCache] | None = None) -> list[mx.array]:
+        """Trunk states `[B, S, H]` -> each head's output states `[B, S, H]` (causal)."""
+        mask = "causal" if trunk.shape[1] > 1 else None
+        return [head(trunk, mask, caches[k] if caches else None, None) for k, head in enumerate(self.heads)]
+
+    def weights(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.parameters()))
+
+
+def mtp_heads_config(target: Model, num_heads: int) -> dict:
+    t = target.args
+    config = {k: v for k, v in t.extra.items() if k not in ("quantization", "lora", "mlx_spec")}
+    config["mtp_heads"] = {"num_heads": num_heads}
+    return config
+
+
+def load_mtp_heads(path_or_repo: str, revision: str | None = None) -> tuple[MTPHeads, dict, Path]:
+    path = hub.resolve(path_or_repo, revision)
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    heads = MTPHeads(config, str(config_path))
+    load_module_weights(heads, path, "MTP heads")
+    return heads, config, path
+
+
+def save_mtp_heads(out: Path, heads: MTPHeads, config: dict) -> None:
+    write_model_files(out, config, heads.weights())
+
+
+def check_mtp_heads_fit(heads: MTPHeads, target: Model, what: str) -> None:
+    if heads.args.hidden_size != target.args.hidden_size:
+        raise UserError(f"{what}: heads read hidden size {heads.args.hidden_size}, the target's is {target.args.hidden_size}")
+
+
+class MTPHeadsDrafter(Drafter):
+    """A chain of the heads' tokens, or with `budget` a best-first tree of their candidates."""
+
+    name = "mtp-heads"
+    costly = True
+
+    def __init__(self, heads: MTPHeads, target: Model, budget: int | None = None):
+        self.heads, self.target, self.budget = heads, target, budget
+        self.capture = (target.args.num_hidden_layers,)
+        self.reset([])
+
+    def new_session(self) -> MTPHeadsDrafter:
+        return MTPHeadsDrafter(self.heads, self.target, self.budget)
+
+    def reset(self, prompt: list[int]) -> None:
+        self.caches = [KVCache() for _ in self.heads.heads]
+        self.pending: list[mx.array] = []
+        self.last: list[mx.array] | None = None  # each head's output at the last committed token
+
+    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        if features:
+            self.pending.append(features[0])
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+        if self.pending:
+            outs = self.heads(mx.concatenate(self.pending, axis=1), self.caches)
+            self.pending = []
+            self.last = [o[0, -1] for o in outs]
+        if self.last is None or self.caches[0].offset != len(context) - 1:
+            return Draft(mx.array([], dtype=mx.int32))  # no trunk state yet (a one-token prompt)
+        logits = self.target.head(mx.stack(self.last[:k]))  # [k, V]: head i drafts the token i + 1 ahead
+        if self.budget is not None:
+            return depth_tree(logits, k, budget=self.budget)
+        # The heads predict independently: each draft is drawn from its own head's distribution.
+        tokens, lp = draw(logits, params)
+        tokens = tokens.astype(mx.int32)
+        mx.eval(tokens, lp)
+        return Draft(tokens, lp)
