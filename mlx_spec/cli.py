@@ -48,8 +48,10 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="none",
         help="none | lookup | suffix | draft=PATH_OR_REPO | medusa=PATH_OR_REPO | eagle=PATH_OR_REPO | "
-             "eagle3=PATH_OR_REPO | dflash[=PATH_OR_REPO] | layerskip[=E] (default: none, plain decoding; "
-             "dflash alone: the drafter published for --model; layerskip alone: the best exit layer for the prompt)",
+             "eagle3=PATH_OR_REPO | dflash[=PATH_OR_REPO] | layerskip[=E] | skip[=3,5,7|FILE.json] | "
+             "mtp-heads=PATH | mtp=PATH (default: none, plain decoding; dflash alone: the drafter published for "
+             "--model; layerskip alone: the best exit layer for the prompt; skip alone: the layers to skip, "
+             "searched on the prompt (FILE.json: loaded, or searched and saved there))",
     )
     p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
     p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")

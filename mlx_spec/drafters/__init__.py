@@ -2,7 +2,8 @@
 
 SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
 `medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`,
-`dflash=PATH_OR_REPO`, `layerskip[=E]`, `mtp-heads=PATH`.
+`dflash=PATH_OR_REPO`, `layerskip[=E]`, `skip[=LAYERS|FILE.json]`, `mtp-heads=PATH`,
+`mtp=PATH` (MTP modules converted by `mlx_spec.convert.mtp`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash", "layerskip", "mtp-heads")
+KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash", "layerskip", "skip",
+         "mtp-heads", "mtp")
 TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash", "mtp-heads")
 PUBLISHED = ("medusa", "eagle", "eagle3", "dflash")  # kinds the registry knows for some targets
 
@@ -47,7 +49,7 @@ def make_drafter(
         raise UserError(f"--tree-budget needs a tree drafter ({', '.join(TREE_KINDS)}), not '{kind}'")
     if tree_paths is not None and kind != "medusa":
         raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
-    needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads")
+    needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads", "mtp")
     if kind in PUBLISHED and not source and target_source is not None:
         from mlx_spec.convert.registry import find_drafter
 
@@ -66,6 +68,10 @@ def make_drafter(
         if source and not (source.isdigit() and 0 < int(source) < L):
             raise UserError(f"--drafter layerskip={source}: the exit layer must be an integer in 1..{L - 1}")
         return LayerSkip(target, int(source) if source else None)
+    if kind == "skip":
+        from mlx_spec.drafters.skip import skip_drafter
+
+        return skip_drafter(target, source or None)
     if source and not needs_source:
         raise UserError(f"--drafter {kind}: takes no source, got '{source}'")
     if kind == "none":
@@ -98,6 +104,12 @@ def make_drafter(
         net, _, _ = load_dflash(source, revision)
         check_dflash_fits(net, target, f"--drafter {spec}")
         return DFlash(net, target, tree_budget, block_size)
+    if kind == "mtp":
+        from mlx_spec.drafters.mtp import MTP, check_mtp_fits, load_mtp
+
+        net, _, _ = load_mtp(source, revision)
+        check_mtp_fits(net, target, f"--drafter {spec}")
+        return MTP(net, target)
     if kind == "mtp-heads":
         from mlx_spec.drafters.mtp_heads import MTPHeadsDrafter, check_mtp_heads_fit, load_mtp_heads
 

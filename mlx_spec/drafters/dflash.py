@@ -27,14 +27,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_spec import hub
 from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import Draft, Drafter, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
-from mlx_spec.models.load import load_module_weights, read_json
+from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams, draw
 
@@ -131,11 +130,7 @@ class DFlashNet(nn.Module):
 
 def load_dflash(path_or_repo: str, revision: str | None = None) -> tuple[DFlashNet, dict, Path]:
     """A DFlash folder: z-lab's as published, or one `mlx-spec convert`/`train dflash` wrote."""
-    path = hub.resolve(path_or_repo, revision)
-    config_path = path / "config.json"
-    config = read_json(config_path)
-    net = DFlashNet(config, str(config_path))
-    load_module_weights(net, path, "a DFlash drafter")
+    net, config, path = load_folder(path_or_repo, revision, DFlashNet)
     return net, config, path
 
 

@@ -33,14 +33,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_spec import hub, tree
+from mlx_spec import tree
 from mlx_spec.cache import KVCache, trim_cache
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import MLP, Attention, Model
-from mlx_spec.models.load import load_module_weights, read_json
+from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams, draw
 
@@ -190,13 +190,8 @@ def save_eagle(out: Path, net: EagleNet, config: dict) -> None:
 
 def load_eagle(path_or_repo: str, revision: str | None = None) -> tuple[EagleNet, dict, Path]:
     """An EAGLE folder written by `mlx-spec convert` or `mlx-spec train eagle3`."""
-    path = hub.resolve(path_or_repo, revision)
-    config_path = path / "config.json"
-    config = read_json(config_path)
-    if not isinstance(config.get("eagle"), dict):
-        raise UserError(f"{config_path}: no 'eagle' section (convert published EAGLE drafters with mlx-spec convert)")
-    net = EagleNet(config, str(config_path))
-    load_module_weights(net, path, f"an EAGLE-{net.version} drafter")
+    net, config, path = load_folder(path_or_repo, revision, EagleNet, "eagle",
+                                    "convert published EAGLE drafters with mlx-spec convert")
     if net.version == 3:
         net.d2t = net.d2t.astype(mx.int32)  # published as int64
     return net, config, path

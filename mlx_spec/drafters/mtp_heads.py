@@ -21,14 +21,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_spec import hub
 from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import Draft, Drafter, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
-from mlx_spec.models.load import load_module_weights, read_json
+from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams, draw
 
@@ -60,11 +59,7 @@ def mtp_heads_config(target: Model, num_heads: int) -> dict:
 
 
 def load_mtp_heads(path_or_repo: str, revision: str | None = None) -> tuple[MTPHeads, dict, Path]:
-    path = hub.resolve(path_or_repo, revision)
-    config_path = path / "config.json"
-    config = read_json(config_path)
-    heads = MTPHeads(config, str(config_path))
-    load_module_weights(heads, path, "MTP heads")
+    heads, config, path = load_folder(path_or_repo, revision, MTPHeads, "mtp_heads", "train heads with mlx-spec train mtp-heads")
     return heads, config, path
 
 

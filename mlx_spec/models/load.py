@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,3 +133,17 @@ def _load_into(module: nn.Module, weights: Mapping[str, mx.array], path: Path) -
         mx.eval(module.parameters())
     except RuntimeError as e:
         raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
+
+
+def load_folder(path_or_repo: str, revision: str | None, build: Callable[[dict, str], nn.Module],
+                section: str | None = None, hint: str = "") -> tuple[nn.Module, dict, Path]:
+    """A drafter folder: `build(config, where)` makes the module, its safetensors
+    load into it checked; `section`, when given, must be in config.json."""
+    path = hub.resolve(path_or_repo, revision)
+    config_path = path / "config.json"
+    config = read_json(config_path)
+    if section and not isinstance(config.get(section), dict):
+        raise UserError(f"{config_path}: no '{section}' section ({hint})")
+    module = build(config, str(config_path))
+    load_module_weights(module, path, type(module).__name__)
+    return module, config, path

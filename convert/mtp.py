@@ -1,0 +1,165 @@
+"""Extracting the MTP modules of a base checkpoint into an MTP folder (`mlx_spec.drafters.mtp`).
+
+Only the shards that `model.safetensors.index.json` names for MTP tensors are
+read. Three layouts (research notes, section 5):
+
+- DeepSeek-V3: `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.{norm,head}}`
+  plus that layer's decoder block; `embed_tokens` there duplicates the target's
+  and is dropped.
+- MiMo: `model.mtp_layers.{k}.{token_layernorm,hidden_layernorm,input_proj,final_layernorm}`
+  plus the block; hidden state first in the concatenation.
+- Qwen3-Next/3.5: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}` and
+  `mtp.layers.0.*`; RMSNorms are stored zero-centred (`1 + weight`), so 1 is added.
+
+Dense blocks only; MoE blocks and FP8 weights are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+
+from convert.readers import read_safetensors_file
+from mlx_spec.errors import UserError
+from mlx_spec.files import write_model_files
+
+# Layout -> (regex of a module tensor: module index, rest), renames of the non-block names.
+PATTERNS = {
+    "deepseek": (r"model\.layers\.(\d+)\.(.+)", {
+        "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "head.weight",
+        "embed_tokens.weight": None,
+    }),
+    "mimo": (r"model\.mtp_layers\.(\d+)\.(.+)", {
+        "token_layernorm.weight": "enorm.weight", "hidden_layernorm.weight": "hnorm.weight",
+        "input_proj.weight": "eh_proj.weight", "final_layernorm.weight": "norm.weight",
+    }),
+    "qwen3_next": (r"mtp\.()(.+)", {
+        "pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+        "fc.weight": "eh_proj.weight", "norm.weight": "norm.weight",
+    }),
+}
+BLOCK = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn|mlp)\.")
+# Architectures whose MTP block is one of our decoder layers.
+BLOCK_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mimo": "qwen2",
+               "qwen3_next": "qwen3", "qwen3_5": "qwen3", "qwen3_5_text": "qwen3"}
+
+
+def detect_layout(names: list[str], target_config: dict) -> str | None:
+    """Which layout a checkpoint's tensor names follow; None when it has no MTP modules."""
+    L = int(target_config.get("num_hidden_layers", -1))
+    if any(n.startswith("mtp.") for n in names):
+        return "qwen3_next"
+    if any(n.startswith("model.mtp_layers.") for n in names):
+        return "mimo"
+    if any(n.startswith(f"model.layers.{L}.eh_proj.") for n in names):
+        return "deepseek"
+    return None
+
+
+def _module_key(layout: str, name: str, L: int) -> tuple[int, str] | None:
+    """(0-based module, name inside it) of an MTP tensor; None for the target's own."""
+    match = re.fullmatch(PATTERNS[layout][0], name)
+    if match is None:
+        return None
+    if layout == "deepseek":
+        k = int(match.group(1)) - L
+        return (k, match.group(2)) if k >= 0 else None
+    if layout == "qwen3_next":
+        rest = match.group(2)
+        if rest.startswith("layers."):
+            index, _, rest = rest[len("layers."):].partition(".")
+            if index != "0":
+                raise UserError(f"{name}: more than one Qwen3-Next MTP layer is not supported")
+            return 0, rest
+        return 0, rest
+    return int(match.group(1)), match.group(2)
+
+
+def _rename(layout: str, k: int, rest: str, source: str) -> str | None:
+    renames = PATTERNS[layout][1]
+    if rest in renames:
+        new = renames[rest]
+        return None if new is None else f"layers.{k}.{new}"
+    if BLOCK.match(rest):
+        if rest.startswith("mlp.") and (rest.startswith(("mlp.experts.", "mlp.shared_expert")) or rest == "mlp.gate.weight"):
+            raise UserError(f"{source}: tensor '{rest}' of MTP module {k} is a mixture-of-experts block; only dense MTP blocks are supported")
+        if rest.endswith("weight_scale_inv"):
+            raise UserError(f"{source}: tensor '{rest}' of MTP module {k} is FP8; convert the checkpoint to bf16 first")
+        return f"layers.{k}.block.{rest}"
+    raise UserError(f"{source}: unexpected MTP tensor '{rest}' in module {k} ({layout} layout)")
+
+
+def read_mtp(source_dir: Path, target_config: dict) -> tuple[str, dict[str, mx.array]]:
+    """(layout, MTP weights renamed as `MTPNet`'s), read from the shards that hold them."""
+    index = source_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{index}: not a checkpoint index ({type(e).__name__}: {e})".splitlines()[0]) from None
+    else:
+        single = source_dir / "model.safetensors"
+        if not single.exists():
+            raise UserError(f"{source_dir}: no model.safetensors or model.safetensors.index.json")
+        weight_map = dict.fromkeys(read_safetensors_file(single), single.name)
+    layout = detect_layout(list(weight_map), target_config)
+    if layout is None:
+        raise UserError(f"{source_dir}: no MTP tensors (DeepSeek model.layers.L.eh_proj, MiMo model.mtp_layers, Qwen3-Next mtp.*)")
+    L = int(target_config["num_hidden_layers"])
+    keys = {name: key for name in weight_map if (key := _module_key(layout, name, L)) is not None}
+    shards: dict[str, dict[str, mx.array]] = {}
+    weights: dict[str, mx.array] = {}
+    for name, (k, rest) in sorted(keys.items()):
+        shard = weight_map[name]
+        if shard not in shards:
+            shards[shard] = read_safetensors_file(source_dir / shard)
+        if name not in shards[shard]:
+            raise UserError(f"{index}: lists '{name}' in {shard}, which does not hold it")
+        new = _rename(layout, k, rest, f"{source_dir / shard}: '{name}'")
+        if new is None:
+            continue
+        value = shards[shard][name]
+        if layout == "qwen3_next" and new.endswith("norm.weight"):
+            value = value + 1  # zero-centred RMSNorm -> plain
+        weights[new] = value
+    return layout, weights
+
+
+def mtp_config(layout: str, weights: dict[str, mx.array], target_config: dict) -> dict:
+    """The MTP folder's config: the target's block shape, one layer, the `mtp` section."""
+    config = dict(target_config.get("text_config") or target_config)
+    model_type = config.get("model_type")
+    if model_type not in BLOCK_TYPES:
+        raise UserError(f"config.json: MTP blocks of model_type '{model_type}' are not supported "
+                        f"(supported: {', '.join(sorted(BLOCK_TYPES))})")
+    config["model_type"] = BLOCK_TYPES[model_type]
+    config["num_hidden_layers"] = 1
+    config["tie_word_embeddings"] = False
+    config.pop("quantization_config", None)
+    n = 1 + max(int(name.split(".")[1]) for name in weights)
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    q = weights.get("layers.0.block.self_attn.q_proj.weight")
+    if q is not None and q.shape[0] == 2 * heads * head_dim:
+        raise UserError("config.json: the MTP block uses gated attention (q_proj gives queries and gates); not supported")
+    config["mtp"] = {"layout": layout, "num_modules": n, "hidden_first": layout == "mimo",
+                     "has_head": "layers.0.head.weight" in weights}
+    return config
+
+
+def convert_mtp(source_dir: str | Path, out_dir: str | Path, target_config: dict | None = None) -> dict:
+    """Write the MTP folder `out_dir` from the checkpoint `source_dir`; returns its config.
+    `target_config` defaults to the checkpoint's own config.json."""
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    if target_config is None:
+        from mlx_spec.models.load import read_json
+
+        target_config = read_json(source_dir / "config.json")
+    layout, weights = read_mtp(source_dir, target_config)
+    config = mtp_config(layout, weights, target_config)
+    write_model_files(out_dir, config, weights)
+    return config

@@ -1,0 +1,121 @@
+"""MTP modules inside base checkpoints (DeepSeek, MiMo, Qwen3-Next layouts):
+extraction, module logits against an independent numpy reference, lossless
+greedy and exact sampling."""
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from convert.mtp import convert_mtp
+from mlx_spec.cache import KVCache
+from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.drafters.mtp import MTP, MTPNet, load_mtp
+from mlx_spec.errors import UserError
+from mlx_spec.models import load_model
+from mlx_spec.sampling import SamplingParams
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
+
+FIXTURES = Path(__file__).parent / "fixtures" / "mtp"
+LAYOUTS = ("deepseek", "mimo", "qwen3_next")
+GREEDY = SamplingParams()
+
+
+def target_only(source: Path, out: Path) -> Path:
+    """The base model alone: the loader refuses weights it does not expect, so the MTP shard stays behind."""
+    out.mkdir()
+    shutil.copy(source / "config.json", out)
+    shutil.copy(source / "model-00001-of-00002.safetensors", out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def case(request, tmp_path_factory):
+    layout = request.param
+    root = tmp_path_factory.mktemp(layout)
+    convert_mtp(FIXTURES / layout, root / "mtp")
+    net, config, _ = load_mtp(str(root / "mtp"))
+    target, _ = load_model(str(target_only(FIXTURES / layout, root / "target")))
+    return layout, net, config, target
+
+
+def test_loader_refuses_the_mtp_tensors():
+    with pytest.raises(UserError, match="unexpected weight"):
+        load_model(str(FIXTURES / "deepseek"))
+
+
+def test_module_logits_match_reference(case):
+    layout, net, config, target = case
+    ref = np.load(FIXTURES / f"{layout}.npz")
+    assert config["mtp"]["layout"] == layout and len(net.layers) == ref["logits"].shape[0]
+    assert config["mtp"]["hidden_first"] == (layout == "mimo")
+    hidden = mx.array(ref["hidden"])[None]
+    embedding = target.model.embed_tokens(mx.array(ref["tokens"])[None])
+    for k, module in enumerate(net.layers):
+        logits = module.logits(module(hidden, embedding, mask="causal"), target)[0]
+        assert np.abs(np.array(logits) - ref["logits"][k]).max() < 1e-4, (layout, k)
+
+
+PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7], [3, 9]]
+
+
+def test_greedy_is_token_identical_to_plain(case):
+    layout, net, _, target = case
+    for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 24), (None, 1, 4)):
+        plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))
+        events = speculative_steps(target, prompt, GREEDY, max_tokens, MTP(net, target), num_draft=k)
+        assert tokens_of(events) == plain, (layout, prompt, max_tokens, k)
+
+
+def test_modules_keep_exact_caches(case):
+    """After a run, each module's committed slots equal a fresh pass over the
+    committed tokens: module 1 on the target's normed states, module k on module k-1's."""
+    _, net, _, target = case
+    drafter = MTP(net, target)
+    prompt = PROMPTS[1]
+    context = prompt + tokens_of(speculative_steps(target, prompt, GREEDY, 12, drafter, num_draft=3))
+    drafter.propose(context, 1, GREEDY)
+    n = len(context)
+    _, (h,) = target(mx.array([context]), capture=drafter.capture)
+    h = target.model.norm(h)
+    for k, module in enumerate(net.layers):
+        m = n - 1 - k
+        assert drafter.committed[k] == m
+        h = h[:, :m]
+        ref = KVCache()
+        h = module(h, target.model.embed_tokens(mx.array([context[k + 1 : k + 1 + m]])), ref, "causal")
+        assert mx.abs(drafter.cache[k].keys[..., :m, :] - ref.keys[..., :m, :]).max().item() < 1e-5
+
+
+def test_refuses_moe_blocks(tmp_path):
+    src = tmp_path / "moe"
+    shutil.copytree(FIXTURES / "deepseek", src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.2.mlp.experts.0.up_proj.weight"] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard = src / "model-00002-of-00002.safetensors"
+    weights = mx.load(str(shard))
+    weights["model.layers.2.mlp.experts.0.up_proj.weight"] = mx.zeros((4, 4))
+    mx.save_safetensors(str(shard), weights)
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        convert_mtp(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("D", [1, 2])
+def test_sampling_matches_target_distribution(D):
+    target = tiny(0, V, logit_scale=0.3)
+    t = target.args
+    config = {"model_type": "qwen3", "hidden_size": t.hidden_size, "num_hidden_layers": 1,
+              "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+              "head_dim": t.head_dim, "intermediate_size": t.intermediate_size, "vocab_size": V,
+              "mtp": {"layout": "deepseek", "num_modules": D}}
+    mx.random.seed(3)
+    net = MTPNet(config)
+    mx.eval(net.parameters())
+    params = SamplingParams(temp=1.0)
+    p = exact_joint(target, STAT_PROMPT, params, 3)
+    assert empirical_tv(target, lambda: MTP(net, target), params, p) < tv_bound(p, N)
