@@ -104,6 +104,8 @@ def search_skip(target: Model, prompts: Sequence[Sequence[int]], k: int = 4) -> 
 
 def check_skip(skip: Sequence[int], L: int, what: str) -> list[int]:
     """`skip` as a sorted list, if every layer is an intermediate one (1..L-2), once."""
+    if skip and L < 3:
+        raise UserError(f"{what}: a {L}-layer model has no intermediate layer to skip")
     if len(set(skip)) != len(skip) or any(not 0 < i < L - 1 for i in skip):
         raise UserError(f"{what}: layers to skip must be distinct integers in 1..{L - 2}, got {list(skip)}")
     return sorted(skip)
