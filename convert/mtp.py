@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from convert.readers import read_safetensors_file
+from mlx_spec.convert.readers import read_safetensors_file
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from convert.mtp import convert_mtp
+from mlx_spec.convert.mtp import convert_mtp
 from mlx_spec.cache import KVCache
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters.mtp import MTP, MTPNet, load_mtp
@@ -43,9 +43,21 @@ def case(request, tmp_path_factory):
     return layout, net, config, target
 
 
-def test_loader_refuses_the_mtp_tensors():
-    with pytest.raises(UserError, match="unexpected weight"):
-        load_model(str(FIXTURES / "deepseek"))
+@pytest.mark.parametrize("layout", ["deepseek", "mimo", "qwen3_next"])
+def test_the_checkpoints_own_modules_draft(layout):
+    """The target loads from the whole checkpoint (its MTP tensors set aside), and
+    `--drafter mtp` with no source drafts with those modules, losslessly."""
+    from mlx_spec.drafters import make_drafter
+    from mlx_spec.sampling import SamplingParams
+
+    path = str(FIXTURES / layout)
+    target, _ = load_model(path)
+    drafter = make_drafter("mtp", target, target_source=path)
+    greedy = SamplingParams()
+    for prompt in ([1, 5, 9, 13, 17], [3]):
+        plain = [t for e in plain_steps(target, prompt, greedy, 16) for t in e.tokens]
+        events = speculative_steps(target, prompt, greedy, 16, drafter.new_session(), num_draft=3)
+        assert [t for e in events for t in e.tokens] == plain
 
 
 def test_module_logits_match_reference(case):
@@ -119,3 +131,23 @@ def test_sampling_matches_target_distribution(D):
     params = SamplingParams(temp=1.0)
     p = exact_joint(target, STAT_PROMPT, params, 3)
     assert empirical_tv(target, lambda: MTP(net, target), params, p) < tv_bound(p, N)
+
+
+def test_trained_modules_get_accepted(stride_model, tmp_path):
+    """`mlx-spec train mtp` (two modules, the seed's loss) for a short run on a
+    tiny trained target: more than 1.5 tokens per target forward on held-out rows."""
+    from conftest import _fast_blas_env
+    from helpers import cli, tau_on_held_out_rows
+    from mlx_spec.drafters import make_drafter
+    from mlx_spec.testing import write_stride_data
+
+    data = write_stride_data(tmp_path / "data", stride_model)
+    out = tmp_path / "mtp"
+    proc = cli("train", "mtp", "--target", stride_model, "--data", data, "-o", out, "--modules", "2",
+               "--steps", "60", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "5",
+               "--quiet", env=_fast_blas_env())
+    assert proc.returncode == 0, proc.stderr
+    target, _ = load_model(str(stride_model))
+    drafter = make_drafter(f"mtp={out}", target)
+    assert len(drafter.net.layers) == 2
+    assert tau_on_held_out_rows(target, stride_model, drafter.new_session, 3) > 1.5

@@ -3,7 +3,8 @@
 SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
 `medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`,
 `dflash=PATH_OR_REPO`, `layerskip[=E]`, `skip[=LAYERS|FILE.json]`, `mtp-heads=PATH`,
-`mtp=PATH` (MTP modules converted by `mlx_spec.convert.mtp`).
+`mtp[=PATH]` (MTP modules: the target checkpoint's own, or a folder written by
+`mlx_spec.convert.mtp`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def make_drafter(
     if tree_paths is not None and kind != "medusa":
         raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
     needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads", "mtp")
+    if kind == "mtp" and not source and target_source is not None:
+        needs_source = False  # the target's own MTP modules
     if kind in PUBLISHED and not source and target_source is not None:
         from mlx_spec.convert.registry import find_drafter
 
@@ -105,9 +108,16 @@ def make_drafter(
         check_dflash_fits(net, target, f"--drafter {spec}")
         return DFlash(net, target, tree_budget, block_size)
     if kind == "mtp":
-        from mlx_spec.drafters.mtp import MTP, check_mtp_fits, load_mtp
+        from mlx_spec.drafters.mtp import MTP, check_mtp_fits, load_mtp, mtp_from_checkpoint
 
-        net, _, _ = load_mtp(source, revision)
+        if source:
+            net, _, _ = load_mtp(source, revision)
+        else:  # the target's own modules, from its checkpoint
+            from mlx_spec import hub
+
+            if target_source is None:
+                raise UserError("--drafter mtp: give the modules as mtp=PATH")
+            net = mtp_from_checkpoint(hub.resolve(target_source, revision), target)
         check_mtp_fits(net, target, f"--drafter {spec}")
         return MTP(net, target)
     if kind == "mtp-heads":

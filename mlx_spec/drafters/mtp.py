@@ -43,7 +43,7 @@ from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
-from mlx_spec.models.load import load_folder
+from mlx_spec.models.load import load_folder, read_json
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams, draw
 
@@ -205,3 +205,20 @@ class MTP(Drafter):
 
     def _pending(self, k: int) -> int:
         return 0 if self.inputs[k] is None else self.inputs[k].shape[1]
+
+
+def mtp_from_checkpoint(path: Path, target: Model) -> MTPNet:
+    """The MTP modules a target's own checkpoint holds, read from the shards that hold them."""
+    from mlx.utils import tree_flatten
+
+    from mlx_spec.convert.mtp import mtp_config, read_mtp
+    from mlx_spec.models.load import check_weights
+
+    target_config = read_json(path / "config.json")
+    layout, weights = read_mtp(path, target_config)
+    net = MTPNet(mtp_config(layout, weights, target_config), str(path / "config.json"))
+    check_weights(dict(tree_flatten(net.parameters())), weights, {k: path for k in weights}, path, "MTP modules")
+    dtype = mx.float32 if target.model.embed_tokens.weight.dtype == mx.float32 else None
+    net.load_weights([(k, v.astype(dtype) if dtype else v) for k, v in weights.items()])
+    mx.eval(net.parameters())
+    return net

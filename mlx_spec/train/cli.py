@@ -125,6 +125,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     mh.add_argument("--heads", type=int, default=3, help="number of heads (head k predicts the token k + 1 ahead)")
     add_train_args(mh)
     mh.set_defaults(func=run_mtp_heads, lr=1e-3)
+    mt = kinds.add_parser(
+        "mtp",
+        help="DeepSeek-style sequential multi-token-prediction modules on a frozen target",
+        description="MTP modules (DeepSeek-V3): module k combines the depth k-1 hidden state with the embedding of "
+                    "the token k ahead; OUT is a folder that --drafter mtp=OUT loads.",
+    )
+    mt.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    mt.add_argument("--modules", type=int, default=1, help="depth D (drafting reuses the last module beyond it)")
+    add_train_args(mt)
+    mt.set_defaults(func=run_mtp, lr=1e-3)
 
 
 def train_config(args: argparse.Namespace):
@@ -386,29 +396,65 @@ def run_layerskip(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_mtp_heads(args: argparse.Namespace) -> int:
+def _copies_of_last_layer(target):
+    """The target's last layer's parameters, copied (a new drafter block starts
+    from them; copies keep the frozen target apart from what trains)."""
     import mlx.core as mx
     from mlx.utils import tree_map
 
-    from mlx_spec.drafters.mtp_heads import MTPHeads, mtp_heads_config, save_mtp_heads
+    return tree_map(mx.array, target.layers[-1].parameters())
+
+
+def _train_blocks_on_target(args: argparse.Namespace, make_net, make_objective) -> int:
+    """Train a drafter made by `make_net(target) -> (net, config, blocks)` on the
+    frozen target; each of `blocks` starts as the target's last layer."""
+    from mlx.utils import tree_flatten
+
+    from mlx_spec.files import write_model_files
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import load_tokenizer
-    from mlx_spec.train.mtp_heads import make_objective
     from mlx_spec.train.trainer import Trainer
 
-    if args.heads < 1:
-        raise UserError(f"--heads must be >= 1, got {args.heads}")
     tconfig = train_config(args)
     target, path = load_model(args.target, for_training=True)
     target.freeze()
     batches, valid_batches = data_batches(args, load_tokenizer(path))
-    config = mtp_heads_config(target, args.heads)
-    heads = MTPHeads(config)
-    for head in heads.heads:  # start from the target's last layer (copies: the target stays apart)
-        head.update(tree_map(mx.array, target.layers[-1].parameters()))
-    trainer = Trainer(heads, make_objective(target), batches, tconfig, valid=valid_batches)
+    net, config, blocks = make_net(target)
+    for block in blocks:
+        block.update(_copies_of_last_layer(target))
+    trainer = Trainer(net, make_objective(target), batches, tconfig, valid=valid_batches)
     result = trainer.fit(resume=args.resume)
     if trainer.group.rank() == 0:
-        save_mtp_heads(args.out, heads, config)
+        write_model_files(args.out, config, dict(tree_flatten(net.parameters())))
         print(json.dumps({"out": str(args.out), **result}))
     return 0
+
+
+def run_mtp_heads(args: argparse.Namespace) -> int:
+    from mlx_spec.drafters.mtp_heads import MTPHeads, mtp_heads_config
+    from mlx_spec.train.mtp_heads import make_objective
+
+    if args.heads < 1:
+        raise UserError(f"--heads must be >= 1, got {args.heads}")
+
+    def make_net(target):
+        config = mtp_heads_config(target, args.heads)
+        heads = MTPHeads(config)
+        return heads, config, heads.heads
+
+    return _train_blocks_on_target(args, make_net, make_objective)
+
+
+def run_mtp(args: argparse.Namespace) -> int:
+    from mlx_spec.drafters.mtp import MTPNet
+    from mlx_spec.train.mtp import make_objective, mtp_config
+
+    if args.modules < 1:
+        raise UserError(f"--modules must be >= 1, got {args.modules}")
+
+    def make_net(target):
+        config = mtp_config(target, args.modules)
+        net = MTPNet(config)
+        return net, config, [module.block for module in net.layers]
+
+    return _train_blocks_on_target(args, make_net, make_objective)
