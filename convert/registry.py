@@ -2,7 +2,8 @@
 
 `find_drafter("dflash", "Qwen/Qwen3-8B")` -> "z-lab/Qwen3-8B-DFlash-b16". A target
 is matched by its model name, so mirrors and MLX conversions of it match too
-("mlx-community/Qwen3-8B-4bit" is Qwen3-8B).
+("mlx-community/Qwen3-8B-4bit" is Qwen3-8B); `--model` aliases ("qwen3") too.
+The demo target's drafters are the folders that ship with it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Mapping
 
+from mlx_spec import demo, hub
 from mlx_spec.errors import UserError
 from mlx_spec.models.load import read_json
 
@@ -84,6 +86,7 @@ def model_key(repo: str) -> str:
 def _target_name(target: str | Mapping) -> str:
     """The repo id a target comes from: given, or as its config.json records it."""
     if isinstance(target, str):
+        target = hub.expand(target)
         path = Path(target).expanduser()
         if not path.is_dir():
             return target
@@ -97,12 +100,22 @@ def _target_name(target: str | Mapping) -> str:
     return name
 
 
+def is_demo(target: str | Mapping) -> bool:
+    """Whether `target` is the demo target that ships with mlx-spec."""
+    try:
+        return model_key(_target_name(target)) == model_key(demo.NAME)
+    except UserError:  # a model that does not say what it is: not the demo
+        return False
+
+
 def find_drafter(kind: str, target: str | Mapping) -> str:
     """The published `kind` drafter for `target` (a repo id, a model directory or a config)."""
-    if kind not in DRAFTERS:
-        raise UserError(f"drafter kind '{kind}' is unknown (known: {', '.join(sorted(DRAFTERS))})")
     name = _target_name(target)
     key = model_key(name)
+    if key == model_key(demo.NAME) and kind in demo.DRAFTERS:
+        return str(demo.path(demo.DRAFTERS[kind]))
+    if kind not in DRAFTERS:
+        raise UserError(f"drafter kind '{kind}' is unknown (known: {', '.join(sorted(DRAFTERS))})")
     for known, repos in DRAFTERS[kind].items():
         if model_key(known) == key:
             return repos[0]

@@ -1,13 +1,16 @@
-"""`mlx-spec bench`: decoding speed, side by side, in the same run.
+"""`mlx-spec bench`: plain decoding and every drafter, side by side, in one run.
 
-Rows: mlx-spec plain decoding, mlx-lm plain decoding, and with `--drafter`,
-mlx-spec speculative decoding (and mlx-lm's own speculative decoding when the
-drafter is a draft model). Every row decodes the same prompt for the same number
-of tokens from the same checkpoint; rows alternate for `--runs` rounds and we
-report each row's median tokens/s (and tau) over the rounds, and the median over
-rounds of each row's ratio to mlx-spec's plain decoding (at temperature > 0
-each round samples a different text, so one lucky round says little). Decode tokens/s counts the tokens after the first
-(which the prompt pass produces) over the time they took.
+Methods: mlx-spec's plain decoding (the baseline), mlx-lm's plain decoding,
+mlx-spec speculative decoding with each `--drafters` SPEC, and mlx-lm's own
+speculative decoding beside each draft model. Every method decodes the same
+prompts for the same number of tokens from the same checkpoint; for each
+repeat and prompt the methods run one after another, so machine noise hits all
+alike. Per method and temperature we report the median decode tokens/s (and
+its spread), the median over runs of the ratio to plain decoding on the same
+prompt and repeat, tau (tokens per target forward), acceptance by draft
+position, the drafting overhead c, and for greedy rows whether every output was
+identical to plain decoding's. Decode tokens/s counts the tokens after the
+first (which the prompt pass produces) over the time they took.
 """
 
 from __future__ import annotations
@@ -16,139 +19,215 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.decoding import StepEvent, plain_steps, speculative_steps
 from mlx_spec.errors import UserError
+from mlx_spec.metrics import Metrics
 from mlx_spec.sampling import SamplingParams
 
-# A runner yields (token, from_draft, round_ended) triples.
-Runner = Callable[[SamplingParams], Iterator[tuple[int, bool, bool]]]
+PLAIN = "mlx-spec"
+SUITES = Path(__file__).parent / "prompts"  # built-in prompt suites, NAME.jsonl
+
+# A runner decodes one prompt: (prompt tokens, params, max tokens) -> step events.
+Runner = Callable[[list[int], SamplingParams, int], Iterator[StepEvent]]
 
 
 @dataclass
 class Row:
     name: str
     temp: float
-    decode_tps: float = 0.0
-    prompt_tps: float = 0.0
-    tau: float = 1.0  # tokens per target forward
-    ratio: float = 0.0  # to plain mlx-spec
-    runs: list[tuple[float, float, float, float]] = field(default_factory=list)  # (ratio, decode, prompt, tau)
-    tokens: list[int] = field(default_factory=list)
+    metrics: Metrics = field(default_factory=Metrics)
+    decode_tps: list[float] = field(default_factory=list)
+    prompt_tps: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)  # to plain, same prompt and repeat
+    identical: bool = True  # greedy: every output equal to plain decoding's
 
-    def add(self, ratio: float, decode_tps: float, prompt_tps: float, tau: float) -> None:
-        self.runs.append((ratio, decode_tps, prompt_tps, tau))
-        self.ratio, self.decode_tps, self.prompt_tps, self.tau = (
-            _median([r[i] for r in self.runs]) for i in range(4)
-        )
+    def as_dict(self) -> dict:
+        m = self.metrics.as_dict()
+        tps = sorted(self.decode_tps)
+        return {
+            "name": self.name,
+            "temp": self.temp,
+            "decode_tps": _median(tps),
+            "decode_tps_min": tps[0],
+            "decode_tps_max": tps[-1],
+            "prompt_tps": _median(self.prompt_tps),
+            "ratio_to_plain": _median(self.ratios),
+            "tau": m["tau"],
+            "acceptance_by_position": m["acceptance_by_position"],
+            "draft_overhead": m["draft_overhead"],
+            "target_forwards_per_token": m["target_forwards"] / max(self.metrics.tokens, 1),
+            "identical_to_plain": self.identical if self.temp == 0 else None,
+        }
 
 
 def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
 
 
-def time_run(tokens: Iterator[tuple[int, bool, bool]], n_prompt: int, max_tokens: int):
-    """(prompt tok/s, decode tok/s, tau, tokens) of one run."""
+def time_run(events: Iterator[StepEvent], n_prompt: int, max_tokens: int, metrics: Metrics | None = None):
+    """(prompt tok/s, decode tok/s, tokens) of one run; its events go into `metrics`."""
     start = time.perf_counter()
-    out, rounds, first = [], 0, 0.0
-    for token, _, round_ended in tokens:
-        out.append(token)
-        rounds += round_ended
-        if len(out) == 1:
-            first = time.perf_counter()
-        if len(out) == max_tokens:
+    out: list[int] = []
+    first = start
+    for event in events:
+        if metrics is not None:
+            metrics.add(event)
+        if not out:
+            first = time.perf_counter()  # the prompt pass produced the first token
+        out.extend(event.tokens)
+        if len(out) >= max_tokens:
             break
     end = time.perf_counter()
+    out = out[:max_tokens]
     decode = (len(out) - 1) / (end - first) if len(out) > 1 else 0.0
-    return n_prompt / (first - start), decode, len(out) / max(rounds, 1), out
+    return n_prompt / (first - start), decode, out
 
 
-def _events(events) -> Iterator[tuple[int, bool, bool]]:
-    for e in events:
-        for i, (t, d) in enumerate(zip(e.tokens, e.from_draft)):
-            yield t, d, i == len(e.tokens) - 1
+def load_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """Token ids of `--prompt`, or of every prompt of the `--prompts` suites and files.
+
+    A prompts file is JSONL: `{"prompt": TEXT}` goes through the chat template
+    (`"chat_template": false` feeds it as raw text).
+    """
+    from mlx_spec.tokenizer import encode_prompt
+    from mlx_spec.train.data import read_jsonl
+
+    if not args.prompts:
+        return [encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template)]
+    prompts = []
+    for name in args.prompts.split(","):
+        path = SUITES / f"{name}.jsonl" if (SUITES / f"{name}.jsonl").is_file() else Path(name)
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in SUITES.glob("*.jsonl")))
+            raise UserError(f"--prompts {name}: neither a built-in suite ({known}) nor a file")
+        for n, row in read_jsonl(path):
+            if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise UserError(f"{path}:{n}: expected an object with a non-empty 'prompt' string")
+            chat = row.get("chat_template", True)
+            if not isinstance(chat, bool):
+                raise UserError(f"{path}:{n}: 'chat_template' must be true or false")
+            prompts.append(encode_prompt(tokenizer, row["prompt"], chat_template=chat and not args.no_chat_template))
+    return prompts
 
 
-def run_bench(args: argparse.Namespace) -> str:
+def _mlx_lm_events(tokens: Iterator[tuple[int, bool]]) -> Iterator[StepEvent]:
+    """mlx-lm's (token, from draft) stream as step events: a round ends with the target's own token."""
+    buf: list[tuple[int, bool]] = []
+    for t, from_draft in tokens:
+        buf.append((t, from_draft))
+        if not from_draft:
+            yield StepEvent([t for t, _ in buf], [d for _, d in buf])
+            buf = []
+
+
+def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict[str, Runner]:
+    """The methods to measure, by row name."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_spec.drafters import make_drafter
+    from mlx_spec.drafters import TREE_KINDS, make_drafter
     from mlx_spec.drafters.draft_model import DraftModel
-    from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import encode_prompt, load_tokenizer
 
-    if args.runs < 1 or args.max_tokens < 2:
-        raise UserError("--runs must be >= 1 and --max-tokens >= 2")
-    model, path = load_model(args.model, args.revision)
-    tokenizer = load_tokenizer(path)
     ref_model, _ = mlx_lm_load(str(path))
-    prompt = encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template)
-    n = args.max_tokens
-    spec = args.drafter
-    drafter = make_drafter(spec, model, tokenizer, args.revision) if spec != "none" else None
-
     runners: dict[str, Runner] = {
-        "mlx-spec": lambda p: _events(plain_steps(model, prompt, p, n)),
-        "mlx-lm": lambda p: (
-            (t, False, True) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
+        PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n),
+        "mlx-lm": lambda prompt, p, n: _mlx_lm_events(
+            (t, False) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
         ),
     }
-    if drafter is not None:
-        runners[f"mlx-spec {spec}"] = lambda p: _events(
-            speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=args.num_draft)
-        )
-    if isinstance(drafter, DraftModel):
-        ref_draft, _ = mlx_lm_load(spec.partition("=")[2])
-        k = args.num_draft or 3
-        runners[f"mlx-lm {spec}"] = lambda p: (
-            (t, d, not d)
-            for t, _, d in speculative_generate_step(
-                mx.array(prompt), ref_model, ref_draft, num_draft_tokens=k, max_tokens=n, sampler=make_sampler(p.temp)
-            )
-        )
+    for spec in args.drafters.split(","):
+        spec = spec.strip()
+        if spec in ("", "none") or f"mlx-spec {spec}" in runners:
+            continue
+        budget = args.tree_budget if spec.partition("=")[0] in TREE_KINDS else None
+        drafter = make_drafter(spec, model, tokenizer, args.revision, tree_budget=budget, target_source=args.model)
+
+        def spec_run(prompt, p, n, drafter=drafter):
+            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=args.num_draft)
+
+        runners[f"mlx-spec {spec}"] = spec_run
+        if isinstance(drafter, DraftModel):
+            ref_draft, _ = mlx_lm_load(str(drafter.path))
+            k = args.num_draft or 3
+
+            def ref_spec_run(prompt, p, n, ref_draft=ref_draft):
+                return _mlx_lm_events(
+                    (t, d) for t, _, d in speculative_generate_step(
+                        mx.array(prompt), ref_model, ref_draft, num_draft_tokens=k, max_tokens=n,
+                        sampler=make_sampler(p.temp))
+                )
+
+            runners[f"mlx-lm {spec}"] = ref_spec_run
+    return runners
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Measure every method at every temperature; the report as a dict."""
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import load_tokenizer
+
+    if args.repeats < 1 or args.max_tokens < 2:
+        raise UserError("--repeats must be >= 1 and --max-tokens >= 2")
+    model, path = load_model(args.model, args.revision)
+    tokenizer = load_tokenizer(path)
+    prompts = load_prompts(args, tokenizer)
+    runners = make_runners(args, model, tokenizer, path)
+    n = args.max_tokens
 
     rows: list[Row] = []
     for temp in args.temps:
         params = SamplingParams(temp=temp)
         table = {name: Row(name, temp) for name in runners}
-        for name, run in runners.items():  # warm-up: compile, allocate
-            time_run(run(params), len(prompt), min(n, 8))
-        for r in range(args.runs):
-            mx.random.seed(r)
-            timed = {name: time_run(run(params), len(prompt), n) for name, run in runners.items()}
-            base = timed["mlx-spec"][1]
-            for name, (ptps, dtps, tau, tokens) in timed.items():
-                table[name].add(dtps / base, dtps, ptps, tau)
-                table[name].tokens = tokens
+        for run in runners.values():  # warm-up: compile, allocate
+            time_run(run(prompts[0], params, 8), len(prompts[0]), 8)
+        for r in range(args.repeats):
+            for prompt in prompts:
+                timed = {}
+                for name, run in runners.items():
+                    mx.random.seed(r)
+                    timed[name] = time_run(run(prompt, params, n), len(prompt), n, table[name].metrics)
+                base_tps, plain_tokens = timed[PLAIN][1], timed[PLAIN][2]
+                for name, (ptps, dtps, tokens) in timed.items():
+                    row = table[name]
+                    row.prompt_tps.append(ptps)
+                    row.decode_tps.append(dtps)
+                    row.ratios.append(dtps / base_tps)
+                    row.identical &= tokens == plain_tokens
         rows += table.values()
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    return {
+        "model": args.model,
+        "parameters": n_params,
+        "prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)) / len(prompts),
+        "max_tokens": n,
+        "repeats": args.repeats,
+        "rows": [r.as_dict() for r in rows],
+    }
 
-    params_count = sum(v.size for _, v in tree_flatten(model.parameters()))
-    if args.json:
-        return json.dumps(
-            {
-                "model": args.model,
-                "parameters": params_count,
-                "prompt_tokens": len(prompt),
-                "max_tokens": n,
-                "rows": [
-                    {"name": r.name, "temp": r.temp, "decode_tps": r.decode_tps, "prompt_tps": r.prompt_tps,
-                     "tau": r.tau, "ratio_to_plain": r.ratio}
-                    for r in rows
-                ],
-            }
+
+def format_report(report: dict) -> str:
+    """The report as a table for the terminal."""
+    lines = [
+        f"{report['model']}: {report['parameters'] / 1e6:.1f}M parameters; {report['prompts']} prompts "
+        f"(mean {report['prompt_tokens']:.0f} tokens) x {report['repeats']} repeats, {report['max_tokens']} tokens each",
+        f"{'':28} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'tau':>5} {'c':>5}  "
+        f"{'acceptance by position':24} greedy = plain",
+    ]
+    for r in report["rows"]:
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:6])
+        same = {None: "", True: "yes", False: "NO"}[r["identical_to_plain"]]
+        lines.append(
+            f"{r['name']:28} {r['temp']:4.1f} {r['decode_tps']:7.1f} "
+            f"{r['decode_tps_min']:6.1f}-{r['decode_tps_max']:<6.1f} {r['ratio_to_plain']:7.2f}x "
+            f"{r['tau']:5.2f} {r['draft_overhead']:5.2f}  {acc:24} {same}"
         )
-    lines = [f"{args.model}: {params_count / 1e6:.1f}M parameters, {len(prompt)} prompt tokens, {n} generated"]
-    lines.append(f"{'':32} {'temp':>5} {'decode tok/s':>13} {'tau':>6} {'vs plain':>9}")
-    for r in rows:
-        lines.append(f"{r.name:32} {r.temp:5.1f} {r.decode_tps:13.1f} {r.tau:6.2f} {r.ratio:8.2f}x")
-    greedy = {r.name: r.tokens for r in rows if r.temp == 0}
-    if greedy:
-        same = len({tuple(t) for t in greedy.values()}) == 1
-        lines.append(f"greedy tokens identical across rows: {same}")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""`mlx-spec`: generate | bench | doctor | convert | distill.
+"""`mlx-spec`: chat | generate | bench | doctor | convert | distill | train.
 
 Bad input ends with one line on stderr naming the file, field or flag, and exit
 code 2.
@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable
 
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlx_spec import hub
 from mlx_spec.convert import cli as convert_cli
 from mlx_spec.train import cli as train_cli
 from mlx_spec.errors import UserError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local directory or Hugging Face repo id")
+    p.add_argument("--model", default=os.environ.get("MLX_SPEC_MODEL", "demo"),
+                   help="local directory, Hugging Face repo id, or a short name: demo (ships with mlx-spec), "
+                        f"{', '.join(hub.ALIASES)} (default: $MLX_SPEC_MODEL, else demo)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
 
 
@@ -180,10 +184,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from mlx_spec.bench import run_bench
+    from pathlib import Path
 
-    print(run_bench(args))
+    from mlx_spec.bench import format_report, run_bench
+
+    report = run_bench(args)
+    if args.json == "-":
+        print(json.dumps(report))
+        return 0
+    print(format_report(report))
+    if args.json:
+        from mlx_spec.files import write_text_atomic
+
+        write_text_atomic(Path(args.json), json.dumps(report, indent=2))
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.max_tokens < 1 or args.temp < 0 or not 0 < args.top_p <= 1:
+        raise UserError("--max-tokens must be >= 1, --temp >= 0 and --top-p in (0, 1]")
+    if args.load is not None and not Path(args.load).is_file():
+        raise UserError(f"--load {args.load}: no such file")
+    if not sys.stdin.isatty():
+        from mlx_spec.tui.lines import run_lines
+
+        return run_lines(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens)
+    from mlx_spec.tui.app import ChatApp
+
+    app = ChatApp(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens,
+                  Path(args.load) if args.load else None)
+    app.run()
+    return app.return_code or 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -209,17 +242,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="decode speed: mlx-spec against mlx-lm, same run")
+    b = sub.add_parser("bench", help="plain decoding and drafters side by side, and mlx-lm, in one run")
     _add_model_args(b)
-    b.add_argument("--prompt", default="Write a short story about a fox.")
+    b.add_argument("--drafters", "--drafter", default="none",
+                   help="comma-separated --drafter SPECs to measure beside plain decoding")
+    b.add_argument("--prompt", default="Write a short story about a fox.", help="one prompt (without --prompts)")
+    b.add_argument("--prompts", default=None,
+                   help="comma-separated built-in suites (code, chat, copy) or JSONL files of {\"prompt\": TEXT}")
     b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--runs", type=int, default=5, help="timed rounds (each runs every row)")
+    b.add_argument("--repeats", "--runs", type=int, default=3, help="rounds over every prompt and method")
     b.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to measure")
-    b.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    b.add_argument("--drafter", default="none", help="also measure speculative decoding with this drafter")
+    b.add_argument("--no-chat-template", action="store_true", help="feed the prompts as raw text")
     b.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round (default: adaptive)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--tree-budget", type=int, default=None, help="tree drafters: a best-first tree of N nodes")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
+                   help="write the report as JSON to OUT (alone: print it instead of the table)")
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("chat", help="chat in the terminal and watch the drafter at work")
+    _add_model_args(c)
+    c.add_argument("--drafter", default="none", help="as for generate (switch live with /drafter)")
+    c.add_argument("--system", default="", help="the system prompt")
+    c.add_argument("--temp", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--max-tokens", type=int, default=512, help="per answer")
+    c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
+    c.set_defaults(func=cmd_chat)
 
     d = sub.add_parser("doctor", help="MLX version, backend, BLAS, and how to speed things up")
     d.set_defaults(func=cmd_doctor)

@@ -71,6 +71,16 @@ def prefill(
             consume(min(start + PREFILL_STEP, len(tokens)), hidden)
 
 
+def cached_prefix(cache: list[KVCache], prompt: Sequence[int]) -> int:
+    """How many of `prompt`'s first tokens `cache` holds: its caller keeps a
+    cache only for a prompt that extends what it holds (`trim_cache` first
+    where they part), and at least the last prompt token is run again."""
+    held = cache[0].offset
+    if held >= len(prompt):
+        raise ValueError(f"the cache holds {held} tokens, the prompt has only {len(prompt)}")
+    return held
+
+
 def plain_steps(
     model: Model,
     prompt: Sequence[int],
@@ -81,12 +91,13 @@ def plain_steps(
     """Plain decoding, one token per event.
 
     The next step is queued with `mx.async_eval` before the current token is
-    read, so host work overlaps the device's.
+    read, so host work overlaps the device's. A `cache` given may already hold
+    the prompt's first tokens (an earlier chat turn; see `cached_prefix`).
     """
     if not prompt:
         raise ValueError("the prompt is empty")
     cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + 1)
-    prefill(model, prompt[:-1], cache)
+    prefill(model, prompt[cached_prefix(cache, prompt) : -1], cache)
 
     def step(tokens: mx.array) -> mx.array:
         logits, _ = model(tokens[None], cache)  # [1, S, V]
@@ -260,10 +271,13 @@ def speculative_steps(
     cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + k_max + 1)
     context = list(prompt)
     drafter.bind(cache)
-    drafter.reset(context)
+    # An earlier turn's K/V stays as far as the drafter's own state still matches it.
+    held = cached_prefix(cache, prompt)
+    kept = drafter.reset(context, held)
+    trim_cache(cache, held - kept)
     # A drafter reading the target's features gets the prompt's as they are computed.
-    consume = (lambda end, hidden: drafter.commit(context[: end + 1], hidden)) if drafter.capture else None
-    prefill(model, prompt[:-1], cache, drafter.capture, consume)
+    consume = (lambda end, hidden: drafter.commit(context[: kept + end + 1], hidden)) if drafter.capture else None
+    prefill(model, prompt[kept:-1], cache, drafter.capture, consume)
     length = DraftLength(k_max, adaptive=num_draft is None and drafter.costly)
     produced = 0
     while produced < max_tokens:

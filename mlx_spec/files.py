@@ -61,6 +61,17 @@ def save_weights(directory: Path, weights: Mapping[str, mx.array]) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.partial"
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def replace_atomically(out: Path, fill: Callable[[Path], None]) -> None:
     """Make the folder `out` with `fill(directory)`, replacing any earlier one, all or nothing."""
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ class Generation:
 
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)  # per token: an accepted draft token
     text: str = ""
     prompt_time: float = 0.0  # seconds to the first generated token
     generation_time: float = 0.0  # seconds from the first to the last token
@@ -49,7 +50,9 @@ def stream_generate(
     result: Generation,
     steps: Steps = plain_steps,
 ) -> Iterator[str]:
-    """Yield text segments as they are decoded; `result` collects tokens and timings."""
+    """Yield text as it is decoded, token by token (a token that ends inside a
+    character or word boundary yields with a later one); `result` collects
+    tokens, where each came from, and timings."""
     detok = tokenizer.detokenizer
     detok.reset()
     start = time.perf_counter()
@@ -60,21 +63,22 @@ def stream_generate(
         if first is None:
             first = now
             result.prompt_time = now - start
+        result.generation_time = now - first
         done = False
-        for token in event.tokens:
+        for token, drafted in zip(event.tokens, event.from_draft):
             if token in tokenizer.eos_token_ids:
                 result.finish_reason = "stop"
                 done = True
                 break
             result.tokens.append(token)
+            result.from_draft.append(drafted)
             detok.add_token(token)
+            segment = detok.last_segment
+            if segment:
+                yield segment
             if len(result.tokens) == max_tokens:
                 done = True
                 break
-        result.generation_time = now - first
-        segment = detok.last_segment
-        if segment:
-            yield segment
         if done:
             break
     detok.finalize()

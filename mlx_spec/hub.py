@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from mlx_spec import demo
 from mlx_spec.errors import UserError
 
 MODEL_PATTERNS = (
@@ -17,6 +18,28 @@ MODEL_PATTERNS = (
 )
 
 
+# Short names for --model: the demo that ships with mlx-spec, and Hub repos
+# that have published drafters (mlx-community's 4-bit conversions: they fit a Mac).
+ALIASES = {
+    "qwen3": "mlx-community/Qwen3-8B-4bit",
+    "qwen3-4b": "mlx-community/Qwen3-4B-4bit",
+    "qwen3-8b": "mlx-community/Qwen3-8B-4bit",
+    "qwen3-32b": "mlx-community/Qwen3-32B-4bit",
+    "llama3.1": "mlx-community/Llama-3.1-8B-Instruct-4bit",
+    "vicuna": "lmsys/vicuna-7b-v1.3",
+}
+
+
+def expand(name: str) -> str:
+    """`--model` as given, with a short name replaced by what it stands for
+    (a local directory of that name wins)."""
+    if Path(name).expanduser().is_dir():
+        return name
+    if name in demo.MODELS:
+        return str(demo.path(demo.MODELS[name]))
+    return ALIASES.get(name.lower(), name)
+
+
 def resolve(
     path_or_repo: str,
     revision: str | None = None,
@@ -26,6 +49,8 @@ def resolve(
 
     Honours HF_HUB_OFFLINE and the Hugging Face cache (HF_HOME, HF_HUB_CACHE).
     """
+    given, path_or_repo = path_or_repo, expand(path_or_repo)
+    named = f"{given} ({path_or_repo})" if given != path_or_repo else path_or_repo
     local = Path(path_or_repo).expanduser()
     if local.is_dir():
         return local
@@ -43,14 +68,15 @@ def resolve(
     except hf_errors.LocalEntryNotFoundError:
         at = f" at revision '{revision}'" if revision else ""
         raise UserError(
-            f"{path_or_repo}{at}: not in the Hugging Face cache and the Hub cannot be reached "
-            "(offline: HF_HUB_OFFLINE is set or there is no network); download it once online"
+            f"{named}{at}: not in the Hugging Face cache and the Hub cannot be reached "
+            "(offline: HF_HUB_OFFLINE is set or there is no network); download it once online, "
+            "or try --model demo, which ships with mlx-spec"
         ) from None
     except hf_errors.RepositoryNotFoundError:
-        raise UserError(f"{path_or_repo}: no such repo on the Hugging Face Hub (or it is private)") from None
+        raise UserError(f"{named}: no such repo on the Hugging Face Hub (or it is private)") from None
     except hf_errors.RevisionNotFoundError:
         raise UserError(f"{path_or_repo}: revision '{revision}' not found (--revision)") from None
     except hf_errors.HFValidationError as e:
         raise UserError(f"{path_or_repo}: not a valid Hub repo id ({e})") from None
     except (OSError, hf_errors.HfHubHTTPError) as e:
-        raise UserError(f"{path_or_repo}: download from the Hub failed: {e}".splitlines()[0]) from None
+        raise UserError(f"{named}: download from the Hub failed: {e}".splitlines()[0]) from None

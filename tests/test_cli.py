@@ -187,15 +187,37 @@ def test_medusa_tree_flags(checkpoints, tmp_path):
     assert_one_line_error(run(*base, "--drafter", f"medusa={tmp_path}"), "config.json")
 
 
-def test_bench_rows_and_json(checkpoints):
+def test_bench_rows_and_json(checkpoints, tmp_path):
     path, draft = checkpoints["qwen3"], checkpoints["llama"]
-    proc = run("bench", "--model", path, "--drafter", f"draft={draft}", "--temps", "0", "1",
-               "--max-tokens", "8", "--runs", "2", "--json")
+    proc = run("bench", "--model", path, "--drafters", f"draft={draft},lookup", "--temps", "0", "1",
+               "--max-tokens", "8", "--repeats", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["rows"]
     names = {r["name"] for r in rows}
-    assert names == {"mlx-spec", "mlx-lm", f"mlx-spec draft={draft}", f"mlx-lm draft={draft}"}
-    assert len(rows) == 8 and all(r["decode_tps"] > 0 for r in rows)
+    assert names == {"mlx-spec", "mlx-lm", f"mlx-spec draft={draft}", f"mlx-lm draft={draft}", "mlx-spec lookup"}
+    assert len(rows) == 10 and all(r["decode_tps"] > 0 for r in rows)
     assert all(r["ratio_to_plain"] == 1.0 for r in rows if r["name"] == "mlx-spec")
-    proc = run("bench", "--model", path, "--max-tokens", "8", "--runs", "1")
-    assert proc.returncode == 0 and "greedy tokens identical across rows: True" in proc.stdout, proc.stdout
+    # the reference BLAS: T=1 and T=k logits are bit-identical, so greedy rows must match
+    assert all(r["identical_to_plain"] for r in rows if r["temp"] == 0)
+    assert all(r["identical_to_plain"] is None for r in rows if r["temp"] == 1)
+    spec = next(r for r in rows if r["name"] == f"mlx-spec draft={draft}" and r["temp"] == 0)
+    assert spec["acceptance_by_position"] and spec["tau"] >= 1
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):", "chat_template": False}) + "\n"
+                       + json.dumps({"prompt": "Hello"}) + "\n")
+    out = tmp_path / "report.json"
+    proc = run("bench", "--model", path, "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "mlx-spec" in proc.stdout and json.loads(out.read_text())["prompts"] == 2
+
+
+def test_bench_prompt_errors(checkpoints, tmp_path):
+    base = ("bench", "--model", checkpoints["qwen3"], "--max-tokens", "4", "--repeats", "1")
+    assert_one_line_error(run(*base, "--prompts", "nosuch"), "--prompts nosuch", "code")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:2", "prompt")
+    bad.write_text('{"prompt": "ok", "chat_template": "yes"}\n')
+    assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:1", "chat_template")

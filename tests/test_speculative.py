@@ -36,8 +36,9 @@ class Scripted(Drafter):
             tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % 384
         return Draft(mx.array(tokens, dtype=mx.int32))
 
-    def reset(self, prompt):
+    def reset(self, prompt, cached=0):
         self.prompt_len = len(prompt)
+        return cached
 
     def new_session(self):
         return Scripted(self.truth, self.corrupt_every)
@@ -129,6 +130,40 @@ def test_draft_model_reuses_its_cache(target, drafters):
     drafter.reset(held + [3, 4])
     assert len(drafter.cached) == len(held)
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1], []) == 0
+
+
+class StartsOver(PromptLookup):
+    """A drafter whose state cannot follow an earlier turn: the prompt is read again."""
+
+    def reset(self, prompt, cached=0):
+        super().reset(prompt, cached)
+        return 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "lookup", "suffix", "draft-other", "starts-over"])
+def test_a_later_turn_on_the_kept_cache_is_exact(target, drafters, kind):
+    """A chat keeps the target's cache across turns: the next prompt extends the
+    last context, the cache is trimmed to what they share, and the output is
+    what a fresh run on the whole prompt gives."""
+    from mlx_spec.cache import trim_cache
+
+    make = {"starts-over": lambda: StartsOver(1, 3), "plain": None}.get(kind, drafters.get(kind))
+    session = make() if make else None
+    cache = target.make_cache()
+
+    def run(prompt):
+        if session is None:
+            return list(plain_steps(target, prompt, GREEDY, 12, cache=cache))
+        return list(speculative_steps(target, prompt, GREEDY, 12, session, cache=cache))
+
+    context = PROMPTS[1] + tokens_of(run(PROMPTS[1]))
+    held = cache[0].offset
+    assert 0 < held < len(context)  # at most the last token is not in the cache yet
+    for follow_up in (context + [40, 41, 42], context[:-3] + [7, 8]):  # extends it; parts from it
+        trim_cache(cache, cache[0].offset - min(common_prefix(context, follow_up), held))
+        fresh = tokens_of(plain_steps(target, follow_up, GREEDY, 12))
+        assert tokens_of(run(follow_up)) == fresh
+        context, held = follow_up + fresh, cache[0].offset
 
 
 # --- exact sampling ------------------------------------------------------------

@@ -96,8 +96,9 @@ class ScriptedTree(Drafter):
         self.parents, self.depth, self.rank = tree.from_paths(paths)
         self.rng = np.random.default_rng(seed)
 
-    def reset(self, prompt):
+    def reset(self, prompt, cached=0):
         self.prompt_len = len(prompt)
+        return cached
 
     def new_session(self):
         return self

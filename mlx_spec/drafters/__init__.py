@@ -19,6 +19,7 @@ KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dfla
          "mtp-heads", "mtp")
 TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash", "mtp-heads")
 PUBLISHED = ("medusa", "eagle", "eagle3", "dflash")  # kinds the registry knows for some targets
+CONVERT_FIRST = ("medusa", "eagle", "eagle3")  # published in layouts `mlx-spec convert` imports
 
 
 def make_drafter(
@@ -41,7 +42,7 @@ def make_drafter(
     `tree_budget` an EAGLE-2 dynamic tree (`depth`, `topk` per depth); DFlash
     one block, or with `tree_budget` a DDTree over the block. Without a
     SOURCE, `dflash` is the drafter published for `target_source` (the
-    `--model` given).
+    `--model` given); for the demo target every kind it ships is its own.
     """
     kind, _, source = spec.partition("=")
     if kind not in KINDS:
@@ -53,11 +54,14 @@ def make_drafter(
     needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads", "mtp")
     if kind == "mtp" and not source and target_source is not None:
         needs_source = False  # the target's own MTP modules
-    if kind in PUBLISHED and not source and target_source is not None:
-        from mlx_spec.convert.registry import find_drafter
+    if needs_source and not source and target_source is not None:
+        from mlx_spec import demo
+        from mlx_spec.convert.registry import find_drafter, is_demo
 
-        source = find_drafter(kind, target_source)
-        if kind != "dflash":  # published EAGLE and Medusa files need converting first
+        demo_kind = kind in demo.DRAFTERS and is_demo(target_source)
+        if kind in PUBLISHED or demo_kind:
+            source = find_drafter(kind, target_source)
+        if kind in CONVERT_FIRST and not demo_kind:
             raise UserError(
                 f"--drafter {kind}: the published drafter for {target_source} is {source}; convert it with "
                 f"`mlx-spec convert {source} -o DIR --target {target_source}`, then use --drafter {kind}=DIR"
@@ -133,7 +137,7 @@ def make_drafter(
     model, path = load_model(source, revision)
     if target_tokenizer is not None:
         check_same_vocab(load_tokenizer(Path(path)), target_tokenizer, f"--drafter {spec}", "the target")
-    return DraftModel(model, target.args.vocab_size)
+    return DraftModel(model, target.args.vocab_size, Path(path))
 
 
 def check_medusa_fits(heads, target: Model, what: str) -> None:

@@ -51,8 +51,12 @@ class Drafter(ABC):
     # `capture`); the verification returns them to `commit`.
     capture: tuple[int, ...] = ()
 
-    def reset(self, prompt: list[int]) -> None:
-        """A new generation of the same session starts from `prompt`."""
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
+        """A new generation of the same session starts from `prompt`, and the
+        target's cache holds `prompt[:cached]` (an earlier chat turn). Returns
+        how many of those the target may keep: a drafter whose state follows
+        the target's features keeps none, and the prompt is read again."""
+        return cached
 
     def bind(self, cache: list) -> None:
         """The target's KV cache for this generation (self-speculation drafts into it)."""

@@ -187,9 +187,10 @@ class DFlash(Drafter):
     def new_session(self) -> DFlash:
         return DFlash(self.net, self.target, self.budget, self.block_size)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         self.cache = [KVCache() for _ in self.net.layers]
         self.pending: list[mx.array] = []
+        return 0
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         if features:

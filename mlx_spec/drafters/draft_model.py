@@ -7,6 +7,8 @@ keeps the longest prefix that is still valid after each verification.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 
 from mlx_spec.cache import KVCache, trim_cache
@@ -31,24 +33,26 @@ class DraftModel(Drafter):
     name = "draft"
     costly = True
 
-    def __init__(self, model: Model, target_vocab: int):
+    def __init__(self, model: Model, target_vocab: int, path: Path | None = None):
         self.model = model
         self.vocab = target_vocab
+        self.path = path  # where the model was loaded from
         self.cache: list[KVCache] = model.make_cache()
         self.cached: list[int] = []  # the tokens whose K/V the cache holds
         self.base = 0  # context length at the last proposal
 
     def new_session(self) -> DraftModel:
-        return DraftModel(self.model, self.vocab)
+        return DraftModel(self.model, self.vocab, self.path)
 
     def _keep(self, n: int) -> None:
         trim_cache(self.cache, len(self.cached) - n)
         del self.cached[n:]
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         # Reuse what the cache shares with the new prompt (an earlier chat turn).
         # The last prompt token is always fed again, for its logits.
         self._keep(min(common_prefix(self.cached, prompt), len(prompt) - 1))
+        return cached
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The cache holds the old context and the draft but its last token; keep

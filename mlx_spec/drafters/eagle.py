@@ -237,8 +237,9 @@ class Eagle(Drafter):
     def new_session(self) -> Eagle:
         return Eagle(self.net, self.target, self.budget, self.topk, self.depth)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         self.cache, self.committed, self.pending, self.ahead = [KVCache()], 0, [], None
+        return 0
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         trim_cache(self.cache, self.cache[0].offset - self.committed)

@@ -57,10 +57,11 @@ class LayerSkip(Drafter):
     def bind(self, cache: list[KVCache]) -> None:
         self.cache = cache
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         self.saved = None
         if self.fixed is None:
             self.exit = choose_exit(self.target, prompt)
+        return cached
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
         early = range(self.exit)

@@ -28,9 +28,10 @@ class PromptLookup(Drafter):
     def new_session(self) -> PromptLookup:
         return PromptLookup(self.min_n, self.max_n)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         self.seen, self.index = 0, {}
         self.commit(prompt)
+        return cached
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The loop only appends to the context; index the new tokens.

@@ -131,8 +131,9 @@ class Medusa(Drafter):
     def new_session(self) -> Medusa:
         return Medusa(self.heads, self.target, self.paths or None, self.budget)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         self.hidden = None  # until the prompt's features come (none for a one-token prompt: a plain round)
+        return cached
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         self.hidden = features[0][0, -1]

@@ -130,13 +130,14 @@ class MTP(Drafter):
     def new_session(self) -> MTP:
         return MTP(self.net, self.target)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         D = len(self.net.layers)
         self.cache = [KVCache() for _ in range(D)]
         self.committed = [0] * D  # per module: slots whose inputs are all committed
         # Per module: the committed input states [1, m, H] of its next slots, not yet run.
         self.inputs: list[mx.array | None] = [None] * D
         self.ahead: mx.array | None = None  # module 1's output at the last committed slot [1, 1, H]
+        return 0
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         for cache, n in zip(self.cache, self.committed):

@@ -86,10 +86,11 @@ class MTPHeadsDrafter(Drafter):
     def new_session(self) -> MTPHeadsDrafter:
         return MTPHeadsDrafter(self.heads, self.target, self.budget)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         self.caches = [KVCache() for _ in self.heads.heads]
         self.pending: list[mx.array] = []
         self.last: list[mx.array] | None = None  # each head's output at the last committed token
+        return 0
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         if features:

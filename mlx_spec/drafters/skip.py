@@ -150,14 +150,14 @@ class SkipDrafter(DraftModel):
     def new_session(self) -> SkipDrafter:
         return SkipDrafter(self.target, self.skip, self.save_to)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         if not self.searched:
             skip = search_skip(self.target, [prompt])
             if self.save_to is not None:
                 save_skip_set(self.save_to, skip, self.target)
             self.model, self.searched = SkipView(self.target, skip), True
             self.cache, self.cached = self.model.make_cache(), []
-        super().reset(prompt)
+        return super().reset(prompt, cached)
 
 
 def skip_drafter(target: Model, spec: str | None = None) -> SkipDrafter:

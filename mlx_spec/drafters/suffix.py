@@ -89,11 +89,12 @@ class SuffixDecoding(Drafter):
     def new_session(self) -> SuffixDecoding:
         return SuffixDecoding(self.trie.max_depth, self.alpha, self.min_prob)
 
-    def reset(self, prompt: list[int]) -> None:
+    def reset(self, prompt: list[int], cached: int = 0) -> int:
         # Earlier generations of the session stay in the trie.
         self.trie.start_document()
         self.seen = 0
         self.commit(prompt)
+        return cached
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         for token in context[self.seen :]:

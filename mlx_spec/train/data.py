@@ -45,7 +45,7 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
                 raise UserError(f"{path}:{lineno}: expected a JSON object")
             rows.append((lineno, row))
     if not rows:
-        raise UserError(f"{path}: no examples")
+        raise UserError(f"{path}: empty")
     return rows
 
 

@@ -1,0 +1,420 @@
+"""Rebuild the demo that ships inside mlx-spec: a target and all its drafters.
+
+    python scripts/build_demo.py WORK [--install]
+
+Everything is trained here, offline, on the Python standard library's own
+source (the one corpus every machine with Python has):
+
+1. corpus: the stdlib's modules as raw code, plus chat pairs (a function's
+   docstring as the user's request, the function as the answer) so that the
+   chat template means something; whole modules are held out for evaluation
+   and for the benchmark's prompts. A byte-level BPE of 2048 tokens.
+2. the target, a deep and narrow Qwen3 (8 layers, 7M parameters; on a CPU a
+   step costs about the same per layer whatever the width, so depth is what
+   makes drafting cheap in comparison), trained as a language model; beside it,
+   on the other core, a 2-layer student on the labels.
+3. `mlx-spec train layerskip` tunes the target for early exit, so that
+   `--drafter layerskip` works on the demo target itself; the tuned model is
+   the demo target.
+4. every drafter, with `mlx-spec` commands against the tuned target, two at a
+   time: the student distilled from it (`mlx-spec distill`), the same student
+   trained as long on labels alone (the baseline distillation has to beat),
+   Medusa heads, EAGLE-3, DFlash and parallel MTP heads.
+5. `--install` writes them in float16 (loading upcasts to the compute dtype)
+   to `mlx_spec/demo/`, with the held-out prompts, where `--model demo` finds
+   them.
+
+Each stage leaves its result in WORK and is skipped when run again, so an
+interrupted build continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_spec import demo
+from mlx_spec.models.config import parse_config
+from mlx_spec.models.llama import Model
+from mlx_spec.testing import SPECIAL_TOKENS, make_config, make_tokenizer, write_checkpoint
+from mlx_spec.tokenizer import load_tokenizer
+from mlx_spec.train.data import encode_example
+from mlx_spec.train.lm import lm_loss, train_lm
+
+VOCAB_SIZE = 2048
+SEQ_LEN = 256
+TOKENS_PER_STEP = 1024
+# Whole modules (file stems) kept out of training.
+HELD_OUT = {"difflib", "textwrap", "fractions", "shlex", "heapq", "calendar", "ipaddress", "string"}
+# Not code: the stdlib's tests (data blobs, deliberately odd code), codec
+# tables (`encodings`), the help texts of `pydoc_data`.
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"}
+MAX_FUNCTION_CHARS = 2000
+ROW_TOKENS = 1024
+
+TARGET = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64, intermediate_size=768)
+STUDENT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, intermediate_size=384)
+
+DISTILL_LR, DISTILL_WARMUP = 1e-3, 20
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --- 1. corpus ---------------------------------------------------------------
+
+def chat_pairs(source: str) -> list[dict]:
+    """{"messages": [user: the docstring's first paragraph, assistant: the function]}
+    for every documented function of a module."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    pairs = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node)
+        code = ast.get_source_segment(source, node)
+        if not doc or not code or len(code) > MAX_FUNCTION_CHARS or node.name.startswith("_"):
+            continue
+        request = " ".join(doc.split("\n\n")[0].split())
+        code = textwrap.dedent(" " * node.col_offset + code)
+        pairs.append({"messages": [
+            {"role": "user", "content": f"Write a Python function `{node.name}`: {request}"},
+            {"role": "assistant", "content": code},
+        ]})
+    return pairs
+
+
+def build_corpus(work: Path) -> None:
+    data = work / "data"
+    if (data / "valid.jsonl").exists():
+        return
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rows: dict[str, list[dict]] = {"train": [], "valid": []}
+    texts = []
+    for path in sorted(root.rglob("*.py")):
+        if SKIP_DIRS.intersection(path.relative_to(root).parts):
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        split = "valid" if path.stem in HELD_OUT else "train"
+        rows[split].append({"text": source})
+        rows[split].extend(chat_pairs(source))
+        if split == "train":
+            texts.append(source)
+    vocab = make_tokenizer(work / "tokenizer", VOCAB_SIZE, corpus=texts)
+    data.mkdir(parents=True, exist_ok=True)
+    for split, split_rows in rows.items():
+        with open(data / f"{split}.jsonl.tmp", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in split_rows)
+    os.replace(data / "train.jsonl.tmp", data / "train.jsonl")
+    os.replace(data / "valid.jsonl.tmp", data / "valid.jsonl")
+    log(f"corpus: {len(rows['train'])} training rows, {len(rows['valid'])} held-out rows; vocab {vocab}")
+
+
+def token_stream(work: Path, split: str) -> np.ndarray:
+    """Every row of a split as tokens, one stream; raw text ends with <|endoftext|>."""
+    cached = work / f"tokens-{split}.npy"
+    if cached.exists():
+        return np.load(cached)
+    tokenizer = load_tokenizer(work / "tokenizer")
+    eot = SPECIAL_TOKENS.index("<|endoftext|>")
+    ids: list[int] = []
+    for n, line in enumerate(open(work / "data" / f"{split}.jsonl", encoding="utf-8")):
+        row = json.loads(line)
+        ids.extend(encode_example(tokenizer, row, f"{split}:{n}").tokens)
+        if "text" in row:
+            ids.append(eot)
+    stream = np.array(ids, dtype=np.int32)
+    np.save(work / f"tokens-{split}.tmp.npy", stream)
+    os.replace(work / f"tokens-{split}.tmp.npy", cached)
+    return stream
+
+
+# --- 2. language models ------------------------------------------------------
+
+def random_windows(ids: np.ndarray, steps: int, seed: int) -> Iterator[mx.array]:
+    """`steps` batches of random windows of the stream, `TOKENS_PER_STEP` each:
+    the first three quarters `SEQ_LEN // 2` long (attention's cost grows with
+    length), the last quarter `SEQ_LEN`, to learn the positions up to it."""
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        length = SEQ_LEN // 2 if step < 3 * steps // 4 else SEQ_LEN
+        starts = rng.integers(0, len(ids) - length, TOKENS_PER_STEP // length)
+        yield mx.array(np.stack([ids[s : s + length + 1] for s in starts]))  # [B, length + 1]
+
+
+def held_out_loss(model: Model, ids: np.ndarray, length: int = SEQ_LEN + 1, batch: int = 16) -> float:
+    """Mean next-token loss over consecutive windows of the held-out stream."""
+    n = len(ids) // length
+    windows = ids[: n * length].reshape(n, length)  # [N, length]
+    total = 0.0
+    for i in range(0, n, batch):
+        chunk = mx.array(windows[i : i + batch])
+        total += lm_loss(model, chunk).item() * len(chunk)
+    return total / n
+
+
+def train_lm_stages(work: Path, name: str, arch: dict, stages: list[tuple[str, int, float, int]],
+                    seed: int) -> dict[str, float]:
+    """Train one model; after each (folder, steps, lr, warmup) stage save it to
+    WORK/folder with the tokenizer. Returns each folder's held-out loss."""
+    train_ids, held_ids = token_stream(work, "train"), token_stream(work, "valid")
+    eos = SPECIAL_TOKENS.index("<|im_end|>")
+    config = make_config("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=eos, **arch)
+    mx.random.seed(seed)
+    model = Model(parse_config(config))
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    total = sum(stage[1] for stage in stages)
+    log(f"{name}: {n_params / 1e6:.2f}M parameters, {total} steps of {TOKENS_PER_STEP} tokens "
+        f"({len(train_ids)} training tokens)")
+    tic = time.perf_counter()
+    losses = {}
+    batches = random_windows(train_ids, total, seed)
+    done = 0
+    for folder, steps, lr, warmup in stages:
+        def on_log(step: int, loss: float) -> None:
+            log(f"  {name} step {done + step:5d}  loss {loss:.3f}  {time.perf_counter() - tic:5.0f}s")
+
+        train_lm(model, batches, steps, lr, warmup=warmup, log_every=100, on_log=on_log)
+        done += steps
+        out = work / folder
+        write_checkpoint(out, config, dict(tree_flatten(model.parameters())))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(work / "tokenizer" / f, out / f)
+        losses[folder] = held_out_loss(model, held_ids)
+        log(f"{name}: wrote {folder}, held-out loss {losses[folder]:.3f} (perplexity {np.exp(losses[folder]):.1f})")
+    return losses
+
+
+def build_language_models(work: Path, args: argparse.Namespace) -> None:
+    if (work / "target-lm" / "model.safetensors").exists() and (work / "student-labels" / "model.safetensors").exists():
+        return
+    # One process per model, one BLAS thread each: MLX's CPU backend runs the
+    # elementwise ops on one core, so two processes use the two cores.
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    # The labels-only student trains on as many tokens as the distilled one
+    # sees in pre-training plus distillation (16 x 128 tokens a step), at
+    # distillation's learning rate.
+    extra = args.distill_steps * 2048 // TOKENS_PER_STEP
+    jobs = {
+        "target": (TARGET, [("target-lm", args.target_steps, 3e-3, 100)]),
+        "student": (STUDENT, [("student-lm", args.student_steps, 3e-3, 100),
+                              ("student-labels", extra, DISTILL_LR, DISTILL_WARMUP)]),
+    }
+    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(train_lm_stages, work, name, arch, stages, args.seed)
+                   for name, (arch, stages) in jobs.items()]
+        losses = {}
+        for f in futures:
+            losses.update(f.result())
+    del os.environ["OPENBLAS_NUM_THREADS"]
+    (work / "lm_losses.json").write_text(json.dumps(losses, indent=2))
+
+
+# --- 3, 4. the tuned target and its drafters ----------------------------------
+
+def write_token_rows(work: Path) -> Path:
+    """The token streams cut into rows of token ids, the data every `mlx-spec`
+    command below reads (tokenizing the corpus once, not once per command)."""
+    folder = work / "data-tokens"
+    if (folder / "valid.jsonl").exists():
+        return folder
+    folder.mkdir(exist_ok=True)
+    for split in ("train", "valid"):
+        ids = token_stream(work, split)
+        rows = (ids[i : i + ROW_TOKENS].tolist() for i in range(0, len(ids) - 1, ROW_TOKENS))
+        with open(folder / f"{split}.tmp", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"tokens": r}) + "\n" for r in rows)
+    os.replace(folder / "train.tmp", folder / "train.jsonl")
+    os.replace(folder / "valid.tmp", folder / "valid.jsonl")
+    return folder
+
+
+def mlx_spec_command(work: Path, name: str, argv: list[str]) -> subprocess.Popen | None:
+    """Start `mlx-spec ARGV -o WORK/NAME` (logged to WORK/logs/NAME.log), unless
+    it already finished; with `--resume` an interrupted one continues."""
+    out = work / name
+    if (out / "config.json").exists():
+        return None
+    (work / "logs").mkdir(exist_ok=True)
+    resume = ["--resume"] if out.exists() else []
+    cmd = [sys.executable, "-m", "mlx_spec", *argv, "-o", str(out), "--quiet", *resume]
+    log(f"{name}: mlx-spec {' '.join(argv)}")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=open(work / "logs" / f"{name}.log", "a"), stderr=subprocess.STDOUT, env=env)
+
+
+def run_commands(work: Path, jobs: dict[str, list[str]], parallel: int = 2) -> None:
+    """Run the commands, `parallel` at a time (one per core)."""
+    pending = list(jobs.items())
+    running: dict[str, subprocess.Popen] = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, argv = pending.pop(0)
+            proc = mlx_spec_command(work, name, argv)
+            if proc is not None:
+                running[name] = proc
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[name]
+                if proc.returncode:
+                    sys.exit(f"{name} failed (exit {proc.returncode}); see {work / 'logs' / (name + '.log')}")
+                log(f"{name}: done")
+        time.sleep(1)
+
+
+def build_drafters(work: Path, args: argparse.Namespace) -> None:
+    data = str(write_token_rows(work))
+    target = str(work / "target-lm")
+    common = ["--data", data, "--seq-len", "256", "--batch-size", "8", "--save-every", "50", "--eval-batches", "16"]
+    distill = ["distill", "--teacher", target, "--student", str(work / "student-lm"), "--data", data,
+               "--steps", str(args.distill_steps), "--batch-size", "16", "--seq-len", "128",
+               "--lr", str(DISTILL_LR), "--warmup", str(DISTILL_WARMUP), "--save-every", "50", "--eval-batches", "16"]
+    drafter = [*common, "--target", target, "--lr", "1e-3", "--warmup", "20"]
+    # Longest first, two at a time.
+    run_commands(work, {
+        "eagle3": ["train", "eagle3", *drafter, "--steps", str(args.eagle_steps), "--ttt-steps", "3"],
+        "dflash": ["train", "dflash", *drafter, "--steps", str(args.dflash_steps), "--block-size", str(args.block_size)],
+        # Forward KL at temperature 1 (what speculative sampling compares) with a little cross-entropy.
+        "student": [*distill, "--temperature", "1", "--alpha", "0.1"],
+        # A copy of the target tuned for early exit, for `--model demo-layerskip --drafter layerskip`.
+        "layerskip": ["train", "layerskip", *common, "--target", target, "--steps", str(args.layerskip_steps),
+                      "--lr", "3e-4", "--warmup", "10"],
+        "medusa": ["train", "medusa", *drafter, "--steps", str(args.medusa_steps), "--heads", "4"],
+        "mtp-heads": ["train", "mtp-heads", *drafter, "--steps", str(args.mtp_steps), "--heads", "3"],
+    })
+
+
+# --- 5. prompts and installing ------------------------------------------------
+
+def held_out_functions(work: Path, count: int) -> list[tuple[str, str]]:
+    """(request, source) of `count` held-out functions of moderate length,
+    taken from each held-out module in turn."""
+    modules: list[list[tuple[str, str]]] = []
+    for line in open(work / "data" / "valid.jsonl", encoding="utf-8"):
+        row = json.loads(line)
+        if "text" in row:  # a module, followed by its functions' pairs
+            modules.append([])
+            continue
+        user, answer = (m["content"] for m in row["messages"])
+        if 300 <= len(answer) <= 1200:
+            modules[-1].append((user, answer))
+    rounds = zip(*(m[:: max(1, len(m) // count)] for m in modules if m))
+    return [f for functions in rounds for f in functions][:count]
+
+
+def write_prompt_suites(work: Path, folder: Path, count: int = 8) -> None:
+    """The benchmark's built-in suites, from held-out modules:
+    code (raw text: a function's signature and docstring, to complete),
+    chat (the request of a docstring -> function pair, through the chat template),
+    copy (raw text: a function, then its first line again: the answer repeats it)."""
+    functions = held_out_functions(work, count)
+    suites = {"code": [], "chat": [], "copy": []}
+    for request, source in functions:
+        tree = ast.parse(source).body[0]
+        body_start = tree.body[1].lineno - 1 if len(tree.body) > 1 else len(source.splitlines())
+        head = "\n".join(source.splitlines()[:body_start]) + "\n"
+        suites["code"].append({"prompt": head, "chat_template": False})
+        suites["chat"].append({"prompt": request})
+        suites["copy"].append({"prompt": f"{source}\n\n\n{source.splitlines()[0]}\n", "chat_template": False})
+    folder.mkdir(parents=True, exist_ok=True)
+    for suite, rows in suites.items():
+        (folder / f"{suite}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def portable_config(config: dict, work: Path, name: str) -> dict:
+    """`config` with this machine's paths replaced by the demo's names: the
+    target is "mlx-spec/demo" (how the drafter registry knows it), the other
+    models "mlx-spec/demo-NAME"."""
+    def demo_name(folder: str) -> str:
+        return demo.NAME if folder in ("target", "target-lm") else f"{demo.NAME}-{folder}"
+
+    def fix(value):
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if isinstance(value, str) and value.startswith(str(work)):
+            return demo_name(Path(value).relative_to(work).as_posix())
+        return value
+
+    config = fix(config)
+    if "model_type" in config:  # a whole model: say which
+        config["_name_or_path"] = demo_name(name)
+        if isinstance(config.get("mlx_spec"), dict):
+            config["mlx_spec"]["source"] = demo_name(name)
+    return config
+
+
+def install(work: Path) -> None:
+    """Write the demo into the package: float16 weights, portable configs, tokenizers, prompts."""
+    for name in ("target", "layerskip", "student-labels", *demo.DRAFTERS.values()):
+        src, dst = work / ("target-lm" if name == "target" else name), demo.ROOT / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        dst.mkdir(parents=True)
+        config = portable_config(json.loads((src / "config.json").read_text()), work, name)
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if (src / f).exists():
+                shutil.copy(src / f, dst / f)
+        for f in src.glob("*.safetensors"):
+            weights = mx.load(str(f))
+            half = {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+            mx.save_safetensors(str(dst / f.name), half, metadata={"format": "mlx"})
+    write_prompt_suites(work, Path(mlx_spec.__file__).parent / "prompts")
+    size = sum(f.stat().st_size for f in demo.ROOT.rglob("*") if f.is_file())
+    log(f"installed the demo in {demo.ROOT}: {size / 2**20:.1f} MiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path, help="folder for the corpus, checkpoints and logs")
+    parser.add_argument("--target-steps", type=int, default=1600)
+    parser.add_argument("--student-steps", type=int, default=1600)
+    parser.add_argument("--distill-steps", type=int, default=400)
+    parser.add_argument("--eagle-steps", type=int, default=250)
+    parser.add_argument("--dflash-steps", type=int, default=300)
+    parser.add_argument("--medusa-steps", type=int, default=200)
+    parser.add_argument("--mtp-steps", type=int, default=120)
+    parser.add_argument("--layerskip-steps", type=int, default=80)
+    parser.add_argument("--block-size", type=int, default=8, help="DFlash's block")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--install", action="store_true", help="write the results into mlx_spec/demo/")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    args.work.mkdir(parents=True, exist_ok=True)
+    build_corpus(args.work)
+    for split in ("train", "valid"):
+        token_stream(args.work, split)
+    build_language_models(args.work, args)
+    build_drafters(args.work, args)
+    if args.install:
+        install(args.work)
+    log(f"done in {time.perf_counter() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The chat's engine: every MLX call on one long-lived thread, fed by a queue.
+
+MLX may abort the process at exit when a thread that ran it has already ended
+(mlx #3126), so the model is loaded, switched and run on a single daemon
+thread that lives as long as the process. The app talks to it with `submit`
+(jobs run in order) and `stop` (ends the current answer early, keeping what
+was written); it hears back through `emit`, called on the engine thread.
+
+The target's KV cache is kept across turns: a new turn's prompt (the whole
+conversation through the chat template) usually extends the tokens the cache
+holds, so only the new message is read.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+from mlx_spec.errors import UserError
+from mlx_spec.metrics import Metrics
+
+
+# --- jobs ----------------------------------------------------------------------
+
+@dataclass
+class Load:
+    model: str
+    drafter: str = "none"
+    revision: str | None = None
+
+
+@dataclass
+class SetDrafter:
+    spec: str
+
+
+@dataclass
+class Generate:
+    messages: list[dict]  # the conversation so far, ending with the user's message
+    temp: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+
+
+@dataclass
+class Forget:
+    """The conversation changed other than by a new turn (cleared, loaded): drop the cache."""
+
+
+# --- events --------------------------------------------------------------------
+
+@dataclass
+class Status:
+    text: str
+
+
+@dataclass
+class Loaded:
+    model: str
+    drafter: str
+
+
+@dataclass
+class Piece:
+    text: str
+    from_draft: bool
+
+
+@dataclass
+class Done:
+    text: str
+    metrics: Metrics
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose K/V an earlier turn had computed
+    prompt_time: float
+    generation_time: float
+    tokens: int
+    finish_reason: str  # stop | length | stopped
+
+
+@dataclass
+class Failed:
+    text: str
+
+
+@dataclass
+class State:
+    """What the engine thread owns."""
+
+    model: object = None
+    tokenizer: object = None
+    model_name: str = ""
+    revision: str | None = None
+    drafter: object = None
+    drafter_spec: str = "none"
+    cache: list | None = None
+    context: list[int] = field(default_factory=list)  # the tokens the cache was built from
+
+
+class Engine:
+    def __init__(self, emit: Callable[[object], None]):
+        self.emit = emit
+        self.jobs: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        self.state = State()
+        self.thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job) -> None:
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        """End the answer being written (it keeps what it has)."""
+        self.stopping.set()
+
+    def idle(self) -> bool:
+        return self.jobs.unfinished_tasks == 0
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                self._run(job)
+            except UserError as e:
+                self.emit(Failed(str(e)))
+            except Exception as e:  # keep the app alive; say what happened
+                self.emit(Failed(f"{type(e).__name__}: {e}".splitlines()[0]))
+            finally:
+                self.jobs.task_done()
+
+    def _run(self, job) -> None:
+        if isinstance(job, Load):
+            self._load(job)
+        elif isinstance(job, SetDrafter):
+            self._set_drafter(job.spec)
+            self.emit(Loaded(self.state.model_name, self.state.drafter_spec))
+        elif isinstance(job, Generate):
+            self._generate(job)
+        elif isinstance(job, Forget):
+            self.state.cache, self.state.context = None, []
+
+    def _load(self, job: Load) -> None:
+        from mlx_spec.models import load_model
+        from mlx_spec.tokenizer import load_tokenizer
+
+        self.emit(Status(f"loading {job.model} (downloading it first if needed)…"))
+        model, path = load_model(job.model, job.revision)
+        s = self.state
+        s.model, s.tokenizer, s.model_name, s.revision = model, load_tokenizer(path), job.model, job.revision
+        s.cache, s.context = None, []
+        s.drafter, s.drafter_spec = None, "none"
+        if job.drafter != "none":
+            self.emit(Status(f"loading drafter {job.drafter}…"))
+            self._set_drafter(job.drafter)
+        self.emit(Loaded(job.model, s.drafter_spec))
+
+    def _set_drafter(self, spec: str) -> None:
+        from mlx_spec.drafters import make_drafter
+
+        s = self.state
+        if s.model is None:
+            raise UserError("no model is loaded")
+        drafter = make_drafter(spec, s.model, s.tokenizer, s.revision, target_source=s.model_name)
+        s.drafter, s.drafter_spec = drafter, spec if drafter is not None else "none"
+
+    def _generate(self, job: Generate) -> None:
+        from mlx_spec.cache import trim_cache
+        from mlx_spec.decoding import plain_steps, speculative_steps
+        from mlx_spec.drafters.draft_model import common_prefix
+        from mlx_spec.generate import Generation, stream_generate
+        from mlx_spec.sampling import SamplingParams
+
+        s = self.state
+        if s.model is None:
+            raise UserError("no model is loaded")
+        self.stopping.clear()
+        ids = s.tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
+        prompt = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if s.cache is None:
+            s.cache, s.context = s.model.make_cache(), []
+        # Keep what this prompt shares with the tokens the cache was built from.
+        reused = min(common_prefix(s.context, prompt), s.cache[0].offset, len(prompt) - 1)
+        trim_cache(s.cache, s.cache[0].offset - reused)
+        s.context = list(prompt)  # the tokens whose K/V the cache will hold grow from here
+        params = SamplingParams(temp=job.temp, top_p=job.top_p)
+        if s.drafter is None:
+            steps = partial(plain_steps, cache=s.cache)
+        else:
+            steps = partial(speculative_steps, drafter=s.drafter, cache=s.cache)
+
+        def recorded(*args):
+            for event in steps(*args):
+                s.context.extend(event.tokens)  # all of them: the cache holds tokens past an EOS too
+                yield event
+
+        result = Generation(prompt_tokens=prompt)
+        stopped = False
+        for piece in stream_generate(s.model, s.tokenizer, prompt, params, job.max_tokens, result, recorded):
+            self.emit(Piece(piece, result.from_draft[-1]))
+            if self.stopping.is_set():
+                stopped = True
+                break
+        self.emit(Done(
+            # stopped: the answer is what was shown, the detokenizer's held-back bytes aside
+            text=s.tokenizer.decode(result.tokens) if stopped else result.text,
+            metrics=result.metrics, prompt_tokens=len(prompt), reused_tokens=reused,
+            prompt_time=result.prompt_time, generation_time=result.generation_time,
+            tokens=len(result.tokens), finish_reason="stopped" if stopped else result.finish_reason,
+        ))

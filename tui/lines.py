@@ -1,0 +1,51 @@
+"""`mlx-spec chat` without a terminal: one message a line on stdin, each answer
+on stdout, followed by an empty line; so a chat can be scripted."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from mlx_spec.errors import UserError
+from mlx_spec.tui import engine, store
+
+
+def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, max_tokens: int) -> int:
+    finished = threading.Event()
+    failure: list[str] = []
+    answer: list[str] = []  # the pieces of the answer being written
+
+    def emit(event) -> None:
+        if isinstance(event, engine.Piece):
+            answer.append(event.text)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, engine.Failed):
+            failure.append(event.text)
+            finished.set()
+        elif isinstance(event, (engine.Done, engine.Loaded)):
+            finished.set()
+
+    def wait() -> None:
+        finished.wait()
+        finished.clear()
+        if failure:
+            raise UserError(failure.pop())
+
+    conversation = store.Conversation(model, drafter, system)
+    eng = engine.Engine(emit)
+    eng.submit(engine.Load(model, drafter))
+    wait()
+    for line in sys.stdin:
+        text = line.strip()
+        if not text:
+            continue
+        conversation.messages.append({"role": "user", "content": text})
+        answer.clear()
+        eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens))
+        wait()
+        conversation.messages.append({"role": "assistant", "content": "".join(answer)})
+        store.save(conversation, conversation.default_path())
+        sys.stdout.write("\n\n")
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,90 @@
+"""Conversations on disk: saved after every change, whole or not at all.
+
+A conversation is JSON: `{"model", "drafter", "system", "created", "messages":
+[{"role", "content"}, ...]}`. They live in the user's data folder
+(`$MLX_SPEC_HOME/conversations` when set), one file per conversation; export
+writes Markdown (`.md`) or the same JSON (`.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mlx_spec.errors import UserError
+from mlx_spec.files import write_text_atomic
+
+
+def data_dir() -> Path:
+    home = os.environ.get("MLX_SPEC_HOME")
+    if home:
+        return Path(home)
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("mlx-spec"))
+
+
+@dataclass
+class Conversation:
+    model: str
+    drafter: str = "none"
+    system: str = ""
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
+    messages: list[dict] = field(default_factory=list)
+
+    def chat(self) -> list[dict]:
+        """The messages as the chat template takes them, the system prompt first."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+    def default_path(self) -> Path:
+        stamp = self.created.replace(":", "").replace("-", "")
+        return data_dir() / "conversations" / f"{stamp}.json"
+
+
+def save(conversation: Conversation, path: Path) -> None:
+    write_text_atomic(path, json.dumps(asdict(conversation), indent=2, ensure_ascii=False))
+
+
+def load(path: Path) -> Conversation:
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not a conversation (invalid JSON: {e})") from None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise UserError(f"{path}: 'messages' must be a list of {{'role': user|assistant, 'content'}} objects")
+    strings = {k: data.get(k, "") for k in ("model", "drafter", "system", "created")}
+    if not all(isinstance(v, str) for v in strings.values()):
+        raise UserError(f"{path}: 'model', 'drafter', 'system' and 'created' must be strings")
+    return Conversation(strings["model"], strings["drafter"] or "none", strings["system"],
+                        strings["created"] or time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        [{"role": m["role"], "content": m["content"]} for m in messages])
+
+
+def markdown(conversation: Conversation) -> str:
+    lines = [f"# Conversation with {conversation.model}", "",
+             f"*{conversation.created}, drafter: {conversation.drafter}*", ""]
+    if conversation.system:
+        lines += ["**System:** " + conversation.system, ""]
+    for m in conversation.messages:
+        lines += [f"## {m['role'].capitalize()}", "", m["content"], ""]
+    return "\n".join(lines)
+
+
+def export(conversation: Conversation, path: Path) -> None:
+    """Markdown for `.md`, JSON for `.json`."""
+    if path.suffix == ".md":
+        write_text_atomic(path, markdown(conversation))
+    elif path.suffix == ".json":
+        save(conversation, path)
+    else:
+        raise UserError(f"/export {path}: the file must end in .md or .json")
