@@ -16,7 +16,6 @@ first (which the prompt pass produces) over the time they took.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +46,10 @@ class Row:
     ratios: list[float] = field(default_factory=list)  # to plain, same prompt and repeat
     identical: bool = True  # greedy: every output equal to plain decoding's
 
-    def as_dict(self) -> dict:
+    def as_dict(self, plain_tps: float, bound_tps: float) -> dict:
         m = self.metrics.as_dict()
         tps = sorted(self.decode_tps)
+        predicted, why = predict(self.metrics, 1 / plain_tps, _median(self.ratios))
         return {
             "name": self.name,
             "temp": self.temp,
@@ -61,9 +61,52 @@ class Row:
             "tau": m["tau"],
             "acceptance_by_position": m["acceptance_by_position"],
             "draft_overhead": m["draft_overhead"],
+            # c as the seed has it: a draft position's cost in plain decoding steps
+            "c": self.metrics.draft_time / self.metrics.positions * plain_tps if self.metrics.positions else 0.0,
             "target_forwards_per_token": m["target_forwards"] / max(self.metrics.tokens, 1),
             "identical_to_plain": self.identical if self.temp == 0 else None,
+            "alpha": self.metrics.alpha,
+            "predicted_speedup": predicted,
+            "prediction_note": why,
+            "of_bound": _median(tps) / (m["tau"] * bound_tps) if bound_tps else 0.0,
         }
+
+
+def predict(m: Metrics, step_time: float, measured: float) -> tuple[float | None, str]:
+    """The seed's speedup E(alpha, K) / (K c + 1), with E = (1 - alpha^(K+1)) / (1 - alpha),
+    from the measured alpha (pooled per-position acceptance), mean K and c (a
+    drafted token's cost in plain steps); and, when it misses the measured
+    speedup by over 25%, why."""
+    if not m.drafting_rounds:
+        return None, ""
+    if m.positions and m.drafted > m.positions:
+        return None, "a tree: the formula is for chains"
+    K = m.positions / m.drafting_rounds
+    c = m.draft_time / m.positions / step_time
+    a = min(m.alpha, 1 - 1e-9)
+    predicted = (1 - a ** (K + 1)) / (1 - a) / (K * c + 1)
+    if abs(predicted / measured - 1) <= 0.25:
+        return predicted, ""
+    verify = m.verify_time / m.steps / step_time  # one verification in plain steps
+    if verify > 1.25:
+        return predicted, f"verifying K+1 tokens costs {verify:.2f} plain steps; the formula assumes 1"
+    rates = [r for r, n in zip(m.acceptance_by_position, m.reached) if n]
+    if rates and max(rates) - min(rates) > 0.15:
+        return predicted, "acceptance changes with the position; the formula assumes one alpha"
+    return predicted, "K changes from round to round; the formula assumes one K"
+
+
+def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second this machine reads, measured with a reduction over a large array."""
+    a = mx.ones((megabytes * 2**20 // 4,), dtype=mx.float32)
+    mx.eval(a)
+    mx.eval(a.sum())
+    best = float("inf")
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        mx.eval(a.sum())
+        best = min(best, time.perf_counter() - tic)
+    return a.nbytes / best
 
 
 def _median(xs: list[float]) -> float:
@@ -127,6 +170,23 @@ def _mlx_lm_events(tokens: Iterator[tuple[int, bool]]) -> Iterator[StepEvent]:
             buf = []
 
 
+OPTIONS = {"tree-budget": None, "num-draft": None, "block-size": None, "depth": 6, "topk": 8}
+
+
+def drafter_options(entry: str, args: argparse.Namespace) -> tuple[str, dict]:
+    """`SPEC[:OPTION=N...]` -> (SPEC, options): per-drafter settings, e.g.
+    `dflash:tree-budget=24` (OPTION: tree-budget, num-draft, block-size, depth,
+    topk); `--tree-budget` and `--num-draft` are the defaults."""
+    spec, *rest = entry.split(":")
+    options = dict(OPTIONS, **{"tree-budget": args.tree_budget, "num-draft": args.num_draft})
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key not in OPTIONS or not value.isdigit():
+            raise UserError(f"--drafters {entry}: expected OPTION=N with OPTION one of {', '.join(OPTIONS)}, got '{item}'")
+        options[key] = int(value)
+    return spec, options
+
+
 def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict[str, Runner]:
     """The methods to measure, by row name."""
     from mlx_lm import load as mlx_lm_load
@@ -143,17 +203,20 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict
             (t, False) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
         ),
     }
-    for spec in args.drafters.split(","):
-        spec = spec.strip()
-        if spec in ("", "none") or f"mlx-spec {spec}" in runners:
+    for entry in args.drafters.split(","):
+        entry = entry.strip()
+        if entry in ("", "none") or f"mlx-spec {entry}" in runners:
             continue
-        budget = args.tree_budget if spec.partition("=")[0] in TREE_KINDS else None
-        drafter = make_drafter(spec, model, tokenizer, args.revision, tree_budget=budget, target_source=args.model)
+        spec, options = drafter_options(entry, args)
+        budget = options["tree-budget"] if spec.partition("=")[0] in TREE_KINDS else None
+        drafter = make_drafter(spec, model, tokenizer, args.revision, tree_budget=budget,
+                               depth=options["depth"], topk=options["topk"], target_source=args.model,
+                               block_size=options["block-size"])
 
-        def spec_run(prompt, p, n, drafter=drafter):
-            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=args.num_draft)
+        def spec_run(prompt, p, n, drafter=drafter, k=options["num-draft"]):
+            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k)
 
-        runners[f"mlx-spec {spec}"] = spec_run
+        runners[f"mlx-spec {entry}"] = spec_run
         if isinstance(drafter, DraftModel):
             ref_draft, _ = mlx_lm_load(str(drafter.path))
             k = args.num_draft or 3
@@ -202,15 +265,22 @@ def run_bench(args: argparse.Namespace) -> dict:
                     row.ratios.append(dtps / base_tps)
                     row.identical &= tokens == plain_tokens
         rows += table.values()
-    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    weights = tree_flatten(model.parameters())
+    step_bytes = sum(v.nbytes for _, v in weights)  # read once per target step (the KV cache aside)
+    bandwidth = memory_bandwidth()
+    bound = bandwidth / step_bytes
+    plain = {r.temp: _median(r.decode_tps) for r in rows if r.name == PLAIN}
     return {
         "model": args.model,
-        "parameters": n_params,
+        "parameters": sum(v.size for _, v in weights),
+        "bandwidth_gbs": bandwidth / 1e9,
+        "step_bytes": step_bytes,
+        "bound_tps": bound,
         "prompts": len(prompts),
         "prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "max_tokens": n,
         "repeats": args.repeats,
-        "rows": [r.as_dict() for r in rows],
+        "rows": [r.as_dict(plain[r.temp], bound) for r in rows],
     }
 
 
@@ -219,15 +289,63 @@ def format_report(report: dict) -> str:
     lines = [
         f"{report['model']}: {report['parameters'] / 1e6:.1f}M parameters; {report['prompts']} prompts "
         f"(mean {report['prompt_tokens']:.0f} tokens) x {report['repeats']} repeats, {report['max_tokens']} tokens each",
-        f"{'':28} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'tau':>5} {'c':>5}  "
-        f"{'acceptance by position':24} greedy = plain",
+        f"memory bandwidth {report['bandwidth_gbs']:.1f} GB/s, {report['step_bytes'] / 1e6:.1f} MB read per target "
+        f"step: plain decoding is bound by {report['bound_tps']:.0f} tok/s",
+        f"{'':30} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'predicted':>9} {'tau':>5} "
+        f"{'c':>5} {'of bound':>8}  {'acceptance by position':24} greedy = plain",
     ]
+    notes = []
     for r in report["rows"]:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:6])
         same = {None: "", True: "yes", False: "NO"}[r["identical_to_plain"]]
+        pred = f"{r['predicted_speedup']:8.2f}x" if r["predicted_speedup"] is not None else f"{'':9}"
+        if r["prediction_note"]:
+            notes.append(f"  {r['name']} at {r['temp']:.1f}: predicted vs measured differ: {r['prediction_note']}")
         lines.append(
-            f"{r['name']:28} {r['temp']:4.1f} {r['decode_tps']:7.1f} "
-            f"{r['decode_tps_min']:6.1f}-{r['decode_tps_max']:<6.1f} {r['ratio_to_plain']:7.2f}x "
-            f"{r['tau']:5.2f} {r['draft_overhead']:5.2f}  {acc:24} {same}"
+            f"{r['name']:30} {r['temp']:4.1f} {r['decode_tps']:7.1f} "
+            f"{r['decode_tps_min']:6.1f}-{r['decode_tps_max']:<6.1f} {r['ratio_to_plain']:7.2f}x {pred} "
+            f"{r['tau']:5.2f} {r['c']:5.2f} {r['of_bound']:7.1%}  {acc:24} {same}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
+
+
+def plot_report(report: dict, out: Path) -> None:
+    """Two panels as PNG: acceptance by draft position per method, and tokens/s
+    per method and temperature beside plain decoding and the bandwidth bound."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    temps = sorted({r["temp"] for r in rows})
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    fig, (acc, speed) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.4]})
+    for r in rows:
+        rates = r["acceptance_by_position"]
+        if rates and r["temp"] == temps[0]:
+            acc.plot(range(1, len(rates) + 1), rates, marker="o", label=r["name"].removeprefix("mlx-spec "))
+    acc.set(xlabel="draft position", ylabel="P(accepted | earlier accepted)", ylim=(0, 1.02),
+            title=f"Acceptance by position (temperature {temps[0]:g})")
+    acc.grid(alpha=0.3)
+    if acc.lines:
+        acc.legend(fontsize=8)
+    width = 0.8 / len(temps)
+    for i, temp in enumerate(temps):
+        tps = {r["name"]: r["decode_tps"] for r in rows if r["temp"] == temp}
+        speed.bar([j + i * width for j in range(len(names))], [tps.get(n, 0) for n in names], width,
+                  label=f"temperature {temp:g}")
+    speed.axhline(report["bound_tps"], color="black", linestyle="--", linewidth=1,
+                  label=f"plain decoding's bandwidth bound ({report['bound_tps']:.0f} tok/s)")
+    speed.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
+    labels = ["plain" if n == PLAIN else n.removeprefix("mlx-spec ") for n in names]
+    speed.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    speed.set(ylabel="decode tokens/s (median)", title=f"{report['model']}: decoding speed")
+    speed.set_ylim(0, max(report["bound_tps"], *(r["decode_tps"] for r in rows)) * 1.15)
+    speed.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=150)
+    plt.close(fig)

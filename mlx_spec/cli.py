@@ -117,8 +117,6 @@ def _steps(args: argparse.Namespace, model, tokenizer):
         raise UserError("--tree and --tree-budget: give one of them")
     if args.depth < 1 or args.topk < 1:
         raise UserError(f"--depth and --topk must be >= 1, got {args.depth}, {args.topk}")
-    if args.block_size is not None and (args.block_size < 2 or not args.drafter.startswith("dflash")):
-        raise UserError(f"--block-size needs the dflash drafter and a size >= 2, got {args.block_size}")
     drafter = make_drafter(
         args.drafter, model, tokenizer, args.revision, (args.ngram_min, args.ngram_max),
         _tree_paths(args.tree), args.tree_budget, args.depth, args.topk, args.model, args.block_size,
@@ -188,7 +186,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from mlx_spec.bench import format_report, run_bench
 
+    if args.plot is not None and not args.plot.endswith(".png"):
+        raise UserError(f"--plot {args.plot}: the file must end in .png")
     report = run_bench(args)
+    if args.plot is not None:
+        from mlx_spec.bench import plot_report
+
+        plot_report(report, Path(args.plot))
     if args.json == "-":
         print(json.dumps(report))
         return 0
@@ -245,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="plain decoding and drafters side by side, and mlx-lm, in one run")
     _add_model_args(b)
     b.add_argument("--drafters", "--drafter", default="none",
-                   help="comma-separated --drafter SPECs to measure beside plain decoding")
+                   help="comma-separated --drafter SPECs to measure beside plain decoding, each with "
+                        "optional settings, e.g. dflash:tree-budget=24 (tree-budget, num-draft, block-size, depth, topk)")
     b.add_argument("--prompt", default="Write a short story about a fox.", help="one prompt (without --prompts)")
     b.add_argument("--prompts", default=None,
                    help="comma-separated built-in suites (code, chat, copy) or JSONL files of {\"prompt\": TEXT}")
@@ -257,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tree-budget", type=int, default=None, help="tree drafters: a best-first tree of N nodes")
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
+    b.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="draw acceptance by position and tokens/s per method (needs matplotlib)")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("chat", help="chat in the terminal and watch the drafter at work")

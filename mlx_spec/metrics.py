@@ -14,6 +14,7 @@ class Metrics:
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    positions: int = 0  # draft positions verified, summed over rounds (a tree counts its depth)
     draft_time: float = 0.0
     verify_time: float = 0.0
     # reached[i]: rounds whose draft position i was verified (all before it accepted)
@@ -26,6 +27,7 @@ class Metrics:
         self.tokens += len(event.tokens)
         self.drafted += len(event.drafted)
         self.accepted += event.accepted
+        self.positions += event.depth
         self.draft_time += event.draft_time
         self.verify_time += event.verify_time
         n, k = event.accepted, event.depth
@@ -35,6 +37,18 @@ class Metrics:
         for i in range(min(n + 1, k)):
             self.reached[i] += 1
             self.accepted_at[i] += i < n
+
+    def merge(self, other: "Metrics") -> None:
+        """Add another run's counts (a chat session sums its answers)."""
+        for name in ("steps", "drafting_rounds", "tokens", "drafted", "accepted", "positions", "draft_time",
+                     "verify_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for i, (r, a) in enumerate(zip(other.reached, other.accepted_at)):
+            if i == len(self.reached):
+                self.reached.append(0)
+                self.accepted_at.append(0)
+            self.reached[i] += r
+            self.accepted_at[i] += a
 
     @property
     def tau(self) -> float:
@@ -49,6 +63,12 @@ class Metrics:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-position acceptance pooled over positions: P(accepted | reached)."""
+        reached = sum(self.reached)
+        return sum(self.accepted_at) / reached if reached else 0.0
 
     @property
     def draft_overhead(self) -> float:

@@ -47,3 +47,44 @@ def tau_on_held_out_rows(target, model_dir, make_drafter, num_draft=None, max_to
         for e in events:
             metrics.add(e)
     return metrics.tau
+
+
+def later_turns_are_exact(target, session, prompt, max_tokens=12) -> list[int]:
+    """A chat keeps the target's cache across turns: the next prompt extends the
+    last context (or parts from it), the cache is trimmed to what they share,
+    and the output must be what a fresh run on the whole prompt gives. `session`
+    is a drafter (None: plain decoding). Returns, per later turn, how many
+    cached tokens the drafter let the target keep."""
+    from mlx_spec.cache import trim_cache
+    from mlx_spec.decoding import plain_steps, speculative_steps
+    from mlx_spec.drafters.base import common_prefix
+    from mlx_spec.sampling import SamplingParams
+
+    greedy = SamplingParams()
+    cache = target.make_cache()
+    kept = []
+    if session is not None:
+        reset = session.reset
+
+        def spy(p, cached=0):
+            kept.append(reset(p, cached))
+            return kept[-1]
+
+        session.reset = spy
+
+    def run(p, cache=None):
+        if session is None or cache is None:
+            events = plain_steps(target, p, greedy, max_tokens, cache=cache)
+        else:
+            events = speculative_steps(target, p, greedy, max_tokens, session, cache=cache)
+        return [t for e in events for t in e.tokens]
+
+    context = prompt + run(prompt, cache)
+    for follow_up in (context + [40, 41, 42], context[:-3] + [7, 8]):  # extends it; parts from it
+        held = cache[0].offset
+        assert 0 < held < len(context)  # at most the last token is not in the cache yet
+        trim_cache(cache, held - min(common_prefix(context, follow_up), held))
+        out = run(follow_up, cache)
+        assert out == run(follow_up)  # a fresh plain run
+        context = follow_up + out
+    return kept[1:]

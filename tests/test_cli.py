@@ -206,11 +206,16 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):", "chat_template": False}) + "\n"
                        + json.dumps({"prompt": "Hello"}) + "\n")
-    out = tmp_path / "report.json"
-    proc = run("bench", "--model", path, "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1",
-               "--json", str(out))
+    assert spec["predicted_speedup"] > 0 and spec["c"] > 0 and 0 < spec["of_bound"]
+    assert json.loads(proc.stdout)["bound_tps"] > 0
+
+    out, png = tmp_path / "report.json", tmp_path / "plot.png"
+    proc = run("bench", "--model", path, "--prompts", str(prompts), "--drafters", "lookup:num-draft=2",
+               "--max-tokens", "8", "--repeats", "1", "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
-    assert "mlx-spec" in proc.stdout and json.loads(out.read_text())["prompts"] == 2
+    assert "mlx-spec lookup:num-draft=2" in proc.stdout and "bound by" in proc.stdout
+    assert json.loads(out.read_text())["prompts"] == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_prompt_errors(checkpoints, tmp_path):
@@ -221,3 +226,5 @@ def test_bench_prompt_errors(checkpoints, tmp_path):
     assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:2", "prompt")
     bad.write_text('{"prompt": "ok", "chat_template": "yes"}\n')
     assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:1", "chat_template")
+    assert_one_line_error(run(*base, "--drafters", "lookup:depth=x"), "lookup:depth=x", "OPTION=N")
+    assert_one_line_error(run(*base, "--drafters", "lookup:block-size=4"), "--block-size", "lookup")

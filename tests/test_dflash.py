@@ -13,6 +13,7 @@ from mlx_spec.drafters.dflash import DFlash, DFlashNet, dflash_config, load_dfla
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
+from helpers import later_turns_are_exact
 from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
@@ -61,6 +62,12 @@ def test_block_attends_to_the_whole_context(target):
     b = net(block, feats[:, 4:], pieces)
     assert mx.abs(a - b).max().item() < 1e-5
     assert whole[0].offset == pieces[0].offset == 9
+
+
+@pytest.mark.parametrize("budget", [None, 10])
+def test_a_later_turn_keeps_the_cache_and_is_exact(target, budget):
+    kept = later_turns_are_exact(target, DFlash(random_net(target)[0], target, budget), PROMPTS[1])
+    assert kept[0] > len(PROMPTS[1]) and kept[1] > 0
 
 
 def test_save_load_and_errors(target, tmp_path):

@@ -12,6 +12,7 @@ from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config, load_eagle, s
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
+from helpers import later_turns_are_exact
 from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
@@ -75,6 +76,12 @@ def test_draft_extend_keeps_the_drafters_cache_exact(target):
     net(f, target.model.embed_tokens(mx.array([context[1 : n + 1]])), ref_cache, mask="causal")
     assert mx.abs(keys - ref_cache.keys[..., :n, :]).max().item() < 1e-5
     assert mx.abs(drafter.ahead[0, -1] - fresh[0, -1]).max().item() < 1e-5
+
+
+@pytest.mark.parametrize("version,budget", [(1, None), (3, None), (3, 10)])
+def test_a_later_turn_keeps_the_cache_and_is_exact(target, version, budget):
+    kept = later_turns_are_exact(target, Eagle(random_net(target, version), target, budget=budget, topk=3, depth=4), PROMPTS[1])
+    assert kept[0] > len(PROMPTS[1]) and kept[1] > 0
 
 
 def test_save_load_and_make_drafter(target, checkpoints, tmp_path):

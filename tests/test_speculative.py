@@ -10,13 +10,15 @@ import pytest
 import mlx_spec.decoding as decoding
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.drafters.draft_model import DraftModel, common_prefix
+from mlx_spec.drafters.base import common_prefix
+from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.drafters.suffix import SuffixDecoding
 from mlx_spec.generate import Generation, stream_generate
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams, log_probs
 from mlx_spec.tokenizer import load_tokenizer
+from helpers import later_turns_are_exact
 from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
@@ -142,28 +144,12 @@ class StartsOver(PromptLookup):
 
 @pytest.mark.parametrize("kind", ["plain", "lookup", "suffix", "draft-other", "starts-over"])
 def test_a_later_turn_on_the_kept_cache_is_exact(target, drafters, kind):
-    """A chat keeps the target's cache across turns: the next prompt extends the
-    last context, the cache is trimmed to what they share, and the output is
-    what a fresh run on the whole prompt gives."""
-    from mlx_spec.cache import trim_cache
-
-    make = {"starts-over": lambda: StartsOver(1, 3), "plain": None}.get(kind, drafters.get(kind))
-    session = make() if make else None
-    cache = target.make_cache()
-
-    def run(prompt):
-        if session is None:
-            return list(plain_steps(target, prompt, GREEDY, 12, cache=cache))
-        return list(speculative_steps(target, prompt, GREEDY, 12, session, cache=cache))
-
-    context = PROMPTS[1] + tokens_of(run(PROMPTS[1]))
-    held = cache[0].offset
-    assert 0 < held < len(context)  # at most the last token is not in the cache yet
-    for follow_up in (context + [40, 41, 42], context[:-3] + [7, 8]):  # extends it; parts from it
-        trim_cache(cache, cache[0].offset - min(common_prefix(context, follow_up), held))
-        fresh = tokens_of(plain_steps(target, follow_up, GREEDY, 12))
-        assert tokens_of(run(follow_up)) == fresh
-        context, held = follow_up + fresh, cache[0].offset
+    session = {"starts-over": lambda: StartsOver(1, 3), "plain": lambda: None}.get(kind, drafters.get(kind))()
+    kept = later_turns_are_exact(target, session, PROMPTS[1])
+    if kind == "starts-over":
+        assert kept == [0, 0]
+    elif kind != "plain":
+        assert kept[0] > len(PROMPTS[1])
 
 
 # --- exact sampling ------------------------------------------------------------

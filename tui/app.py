@@ -228,7 +228,7 @@ class ChatApp(App):
         self.save()
         if done is None:
             return
-        stats.merge(self.session, done.metrics)
+        self.session.merge(done.metrics)
         self.session_time += done.generation_time
         self.session_tokens += done.tokens
         reason = {"stopped": " (stopped)", "length": " (max tokens)"}.get(done.finish_reason, "")

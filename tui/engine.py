@@ -169,7 +169,7 @@ class Engine:
     def _generate(self, job: Generate) -> None:
         from mlx_spec.cache import trim_cache
         from mlx_spec.decoding import plain_steps, speculative_steps
-        from mlx_spec.drafters.draft_model import common_prefix
+        from mlx_spec.drafters.base import common_prefix
         from mlx_spec.generate import Generation, stream_generate
         from mlx_spec.sampling import SamplingParams
 

@@ -5,18 +5,6 @@ from __future__ import annotations
 from mlx_spec.metrics import Metrics
 
 
-def merge(total: Metrics, m: Metrics) -> None:
-    """Add one answer's metrics to the session's."""
-    for name in ("steps", "drafting_rounds", "tokens", "drafted", "accepted", "draft_time", "verify_time"):
-        setattr(total, name, getattr(total, name) + getattr(m, name))
-    for i, (r, a) in enumerate(zip(m.reached, m.accepted_at)):
-        if i == len(total.reached):
-            total.reached.append(0)
-            total.accepted_at.append(0)
-        total.reached[i] += r
-        total.accepted_at[i] += a
-
-
 def estimated_speedup(m: Metrics) -> float:
     """Over plain decoding, taking one verification as one plain step (as it is
     when decoding is memory-bound): tokens per round over the round's cost in

@@ -49,6 +49,8 @@ def make_drafter(
         raise UserError(f"--drafter: unknown kind '{kind}' (known: {', '.join(KINDS)})")
     if tree_budget is not None and kind not in TREE_KINDS:
         raise UserError(f"--tree-budget needs a tree drafter ({', '.join(TREE_KINDS)}), not '{kind}'")
+    if block_size is not None and (block_size < 2 or kind != "dflash"):
+        raise UserError(f"--block-size needs the dflash drafter and a size >= 2, got {block_size} for '{kind}'")
     if tree_paths is not None and kind != "medusa":
         raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
     needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads", "mtp")

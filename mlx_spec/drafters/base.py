@@ -41,6 +41,18 @@ class Draft:
         return cls(draft, lp)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (binary search over C-level list compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Drafter(ABC):
     """Proposes tokens; keeps its own state in step with what the target accepted."""
 

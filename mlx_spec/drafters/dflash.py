@@ -27,8 +27,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import Draft, Drafter, depth_tree
+from mlx_spec.cache import KVCache, trim_cache
+from mlx_spec.drafters.base import Draft, Drafter, common_prefix, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
@@ -182,17 +182,23 @@ class DFlash(Drafter):
         self.net, self.target, self.budget = net, target, budget
         self.block_size = block_size or net.block_size
         self.capture = tuple(j + 1 for j in net.settings["target_layer_ids"])  # outputs of those layers
-        self.reset([])
+        self.cache = [KVCache() for _ in self.net.layers]  # the context's keys and values
+        self.pending: list[mx.array] = []  # features [1, n, K * H] not in the cache yet
+        self.context: list[int] = []  # the tokens the cache was computed from
 
     def new_session(self) -> DFlash:
         return DFlash(self.net, self.target, self.budget, self.block_size)
 
     def reset(self, prompt: list[int], cached: int = 0) -> int:
-        self.cache = [KVCache() for _ in self.net.layers]
-        self.pending: list[mx.array] = []
-        return 0
+        # Position j's keys and values came from the target's features at j: they
+        # stand while the tokens up to j do.
+        keep = min(self.cache[0].offset, common_prefix(self.context, prompt), cached)
+        trim_cache(self.cache, self.cache[0].offset - keep)
+        self.pending = []
+        return keep
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        self.context = context
         if features:
             self.pending.append(mx.concatenate(features, axis=-1))  # [1, n, K * H]
 

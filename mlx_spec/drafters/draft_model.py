@@ -12,21 +12,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, common_prefix
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams, draw
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (binary search over C-level list compares)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class DraftModel(Drafter):

@@ -35,7 +35,7 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, common_prefix
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ModelArgs, parse_config
@@ -233,15 +233,20 @@ class Eagle(Drafter):
         self.committed = 0  # slots holding the target's real features
         self.pending: list[mx.array] = []  # features [1, n, F] of the next slots
         self.ahead: mx.array | None = None  # output state of the last committed slot
+        self.context: list[int] = []  # the tokens the slots were computed from
 
     def new_session(self) -> Eagle:
         return Eagle(self.net, self.target, self.budget, self.topk, self.depth)
 
     def reset(self, prompt: list[int], cached: int = 0) -> int:
-        self.cache, self.committed, self.pending, self.ahead = [KVCache()], 0, [], None
-        return 0
+        # Slot j read token j's features and token j + 1: it stands while both do.
+        keep = max(0, min(self.committed, common_prefix(self.context, prompt) - 1, cached))
+        trim_cache(self.cache, self.cache[0].offset - keep)
+        self.committed, self.pending, self.ahead = keep, [], None
+        return keep
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        self.context = context
         trim_cache(self.cache, self.cache[0].offset - self.committed)
         if not features:
             return
