@@ -1,0 +1,30 @@
+"""The benchmark's analysis: rounding ties, the seed's prediction."""
+
+import pytest
+
+import mlx_spec.bench as bench
+from mlx_spec.decoding import StepEvent
+from mlx_spec.metrics import Metrics
+from mlx_spec.models import load_model
+
+
+def test_a_greedy_divergence_is_a_tie_only_within_rounding(checkpoints, monkeypatch):
+    model = load_model(str(checkpoints["qwen3"]))[0]
+    prompt, plain = [1, 2, 3], [5, 6, 7, 8]
+    other = [5, 6, 9, 9]
+    assert not bench.at_a_tie(model, prompt, plain, other)  # a random model's margins are far wider
+    monkeypatch.setattr(bench, "TIE", float("inf"))
+    assert bench.at_a_tie(model, prompt, plain, other)
+    assert not bench.at_a_tie(model, prompt, plain, plain[:2])  # stopped early
+
+
+def test_prediction_follows_the_seed_formula():
+    m = Metrics()
+    for _ in range(10):  # K = 4 drafted each round, 2 accepted: alpha = 2 / 3
+        m.add(StepEvent([1, 2, 3], [True, True, False], drafted=[1, 2, 0, 0], draft_time=0.4, verify_time=1.0))
+    alpha, K, c = 2 / 3, 4, 0.1  # a drafted position costs 0.1 of a 1-second step
+    expected = (1 - alpha ** (K + 1)) / (1 - alpha) / (K * c + 1)
+    predicted, why = bench.predict(m, step_time=1.0, measured=expected)
+    assert predicted == pytest.approx(expected) and why == ""
+    predicted, why = bench.predict(m, step_time=0.25, measured=expected)  # verification = 4 plain steps
+    assert "4.00 plain steps" in why
