@@ -1,0 +1,300 @@
+"""Batched speculative decoding: several sequences, one target forward a round.
+
+Each row drafts on its own (its own drafter session and draft length), then
+one target forward verifies every row's draft (padded to the longest, masked),
+and each row accepts its own number of tokens. Rows are right-padded in one
+cache with a length per row (`BatchCache`), so they progress at different
+speeds; rows join and leave between rounds (continuous batching). Acceptance
+is the single-sequence decoder's, row by row, so each row produces exactly
+what it would alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_spec import tree
+from mlx_spec.cache import KVCache
+from mlx_spec.decoding import DraftLength, StepEvent, prefill
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.errors import UserError
+from mlx_spec.models.llama import Model
+from mlx_spec.sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    sample,
+)
+
+
+class BatchCache:
+    """One layer's keys and values for B rows, `[B, H_kv, capacity, D]`; row b
+    holds `lengths[b]` tokens, the rest is padding that attention masks out."""
+
+    def __init__(self, step: int = 256):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.lengths: list[int] = []
+        self.step = step
+
+    @property
+    def offset(self) -> int:
+        return max(self.lengths, default=0)
+
+    def _reserve(self, needed: int, like: mx.array) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= capacity:
+            return
+        size = (needed + self.step - 1) // self.step * self.step
+        B, H, _, D = like.shape
+        keys = mx.zeros((B, H, size, D), like.dtype)
+        values = mx.zeros((B, H, size, D), like.dtype)
+        if self.keys is not None:
+            keys[:, :, :capacity] = self.keys
+            values[:, :, :capacity] = self.values
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Write row b's S new keys and values at `lengths[b]`; every row advances by S."""
+        S = k.shape[2]
+        self._reserve(self.offset + S, k)
+        for b, n in enumerate(self.lengths):
+            self.keys[b : b + 1, :, n : n + S] = k[b : b + 1]
+            self.values[b : b + 1, :, n : n + S] = v[b : b + 1]
+        self.lengths = [n + S for n in self.lengths]
+        end = self.offset
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def set_length(self, b: int, n: int) -> None:
+        self.lengths[b] = n
+
+    def keep(self, b: int, indices: Sequence[int], start: int) -> None:
+        """Row b keeps the slots `indices` (ascending, >= start) moved to `start...`."""
+        if indices:
+            idx = mx.array(indices)
+            self.keys[b : b + 1, :, start : start + len(indices)] = self.keys[b : b + 1, :, idx]
+            self.values[b : b + 1, :, start : start + len(indices)] = self.values[b : b + 1, :, idx]
+        self.lengths[b] = start + len(indices)
+
+    def add(self, cache: KVCache) -> None:
+        """A new last row: a single sequence's cache (its prompt, read alone)."""
+        n = cache.offset
+        k, v = cache.keys[..., :n, :], cache.values[..., :n, :]  # [1, H, n, D]
+        if self.keys is None:
+            self._reserve(n, k)
+            self.keys, self.values = self.keys[:0], self.values[:0]
+        self._reserve(max(self.offset, n), k)
+        pad = self.keys.shape[2] - n
+        k = mx.concatenate([k, mx.zeros((1, k.shape[1], pad, k.shape[3]), k.dtype)], axis=2)
+        v = mx.concatenate([v, mx.zeros((1, v.shape[1], pad, v.shape[3]), v.dtype)], axis=2)
+        self.keys = mx.concatenate([self.keys, k])
+        self.values = mx.concatenate([self.values, v])
+        self.lengths.append(n)
+
+    def remove(self, b: int) -> None:
+        keep = [i for i in range(len(self.lengths)) if i != b]
+        if keep:
+            idx = mx.array(keep)
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        else:
+            self.keys = self.values = None
+        del self.lengths[b]
+
+
+@dataclass
+class Row:
+    """One sequence of the batch: its drafter session, sampling, where it stands."""
+
+    key: object
+    context: list[int]
+    params: SamplingParams
+    max_tokens: int
+    drafter: Drafter | None
+    length: DraftLength
+    produced: int = 0
+
+
+class BatchPolicy:
+    """One draft length K a round for the whole batch, from the rows' measured
+    acceptance and the measured time of a batched forward over B rows of
+    S = K + 1 tokens: the K with the least time per token; K = 0 (plain
+    decoding for everyone) once verifying K + 1 tokens a row stops paying,
+    as it does when a large batch makes the forward compute-bound rather than
+    memory-bound."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.by_size: dict[int, DraftLength] = {}  # batch size -> forward times per K
+
+    def costs(self, B: int) -> DraftLength:
+        return self.by_size.setdefault(B, DraftLength(self.k_max, adaptive=True))
+
+    def next(self, rows: list[Row]) -> int:
+        drafting = [r for r in rows if r.drafter is not None]
+        if not drafting:
+            return 0
+        costs = self.costs(len(rows))
+        if not costs.verify_cost:
+            return self.k_max
+
+        def time_per_token(k: int) -> float:
+            tokens = 0.0
+            draft = 0.0
+            for r in rows:
+                if r.drafter is None or k == 0:
+                    tokens += 1
+                    continue
+                alpha = min(r.length.accepted / r.length.reached, 0.999)
+                tokens += (1 - alpha ** (k + 1)) / (1 - alpha)
+                draft += k * (r.length.draft_cost or 0.0)
+            return (draft + costs.verify_time(k)) / tokens
+
+        k = min(range(self.k_max + 1), key=time_per_token)
+        if k == 0:
+            costs.plain_rounds += 1
+            if costs.plain_rounds % costs.PROBE_EVERY == 0:
+                return min(costs.PROBE_K, self.k_max)
+        return k
+
+
+class BatchDecoder:
+    """Continuous batching: `add` a sequence (its prompt is read alone, then it
+    joins), `step` runs one round for every row and returns each row's event;
+    a row leaves when it has produced `max_tokens` (or with `remove`)."""
+
+    def __init__(self, model: Model, k_max: int = 8):
+        self.model = model
+        self.k_max = k_max
+        self.cache = [BatchCache() for _ in model.layers]
+        self.rows: list[Row] = []
+        self.policy = BatchPolicy(k_max)
+
+    def add(self, key, prompt: list[int], params: SamplingParams, max_tokens: int,
+            drafter: Drafter | None = None) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if drafter is not None and type(drafter).verify_forward is not Drafter.verify_forward:
+            raise UserError(f"the {drafter.name} drafter verifies with its own forward: it cannot be batched")
+        single = self.model.make_cache(len(prompt))
+        context = list(prompt)
+        if drafter is not None:
+            drafter.bind(single)
+            drafter.reset(context)
+            consume = (lambda end, hidden: drafter.commit(context[: end + 1], hidden)) if drafter.capture else None
+            prefill(self.model, prompt[:-1], single, drafter.capture, consume)
+        else:
+            prefill(self.model, prompt[:-1], single)
+        for layer, c in zip(self.cache, single):
+            if c.offset:
+                layer.add(c)
+            else:
+                layer.lengths.append(0)
+                if layer.keys is not None:
+                    B, H, n, D = layer.keys.shape
+                    layer.keys = mx.concatenate([layer.keys, mx.zeros((1, H, n, D), layer.keys.dtype)])
+                    layer.values = mx.concatenate([layer.values, mx.zeros((1, H, n, D), layer.values.dtype)])
+        self.rows.append(Row(key, context, params, max_tokens, drafter, DraftLength(self.k_max, adaptive=True)))
+
+    def remove(self, key) -> None:
+        b = next(i for i, r in enumerate(self.rows) if r.key == key)
+        for layer in self.cache:
+            layer.remove(b)
+        del self.rows[b]
+
+    def step(self) -> dict[object, StepEvent]:
+        """One round: every row drafts, one target forward verifies all, each accepts its own."""
+        rows = self.rows
+        k = self.policy.next(rows)
+        tic = time.perf_counter()
+        drafts = []
+        for r in rows:
+            room = r.max_tokens - r.produced - 1  # the round adds one target token
+            kr = min(k, room) if r.drafter is not None else 0
+            drafts.append(r.drafter.propose(r.context, kr, r.params) if kr > 0 else Draft(mx.array([], dtype=mx.int32)))
+        mid = time.perf_counter()
+        capture = tuple(sorted({i for r in rows if r.drafter is not None for i in r.drafter.capture}))
+        starts = list(self.cache[0].lengths)  # each row's last context token goes here
+        inputs, positions, mask, S = self._inputs(rows, drafts)
+        logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
+        accepted = [self._accept(b, r, d, logits[b], starts[b]) for b, (r, d) in enumerate(zip(rows, drafts))]
+        toc = time.perf_counter()
+        verify_time = toc - mid
+        self.policy.costs(len(rows)).update(S - 1, 0, 0.0, verify_time)
+        events = {}
+        for b, (r, draft) in enumerate(zip(rows, drafts)):
+            path, token = accepted[b]
+            drafted = draft.tokens.tolist()
+            tokens = [drafted[i] for i in path] + [token]
+            r.context.extend(tokens)
+            if r.drafter is not None:
+                sel = mx.array([0] + [i + 1 for i in path])
+                features = tuple(hidden[capture.index(i)][b : b + 1, sel] for i in r.drafter.capture)
+                r.drafter.commit(r.context, features)
+                depth = len(draft) if draft.parents is None else max(tree.depths(draft.parents), default=0)
+                r.length.update(depth, len(path), (mid - tic) / len(rows), verify_time)
+            r.produced += len(tokens)
+            depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
+            events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted, (mid - tic) / len(rows),
+                                      verify_time, depth)
+        for r in [r for r in rows if r.produced >= r.max_tokens]:
+            self.remove(r.key)
+        return events
+
+    def _inputs(self, rows: list[Row], drafts: list[Draft]):
+        """Tokens `[B, S]`, positions `[B, S]` and the mask `[B, 1, S, L + S]`
+        of one verification: row b's last token and draft (chain or tree),
+        padded; each row sees its own cache and its own draft's ancestry."""
+        lengths = self.cache[0].lengths
+        S = 1 + max(len(d) for d in drafts)
+        end = max(n + S for n in lengths)
+        tokens = np.zeros((len(rows), S), dtype=np.int32)
+        positions = np.zeros((len(rows), S), dtype=np.int32)
+        mask = np.zeros((len(rows), 1, S, end), dtype=bool)
+        for b, (r, d) in enumerate(zip(rows, drafts)):
+            n, L = len(d), lengths[b]
+            tokens[b, 0] = r.context[-1]
+            tokens[b, 1 : n + 1] = d.tokens.tolist()
+            mask[b, 0, :, :L] = True
+            if d.parents is None:
+                positions[b] = L + np.arange(S)
+                mask[b, 0, : n + 1, L : L + n + 1] = np.tril(np.ones((n + 1, n + 1), dtype=bool))
+            else:
+                depths = [0] + tree.depths(d.parents)
+                positions[b, : n + 1] = L + np.array(depths)
+                mask[b, 0, : n + 1, L : L + n + 1] = tree.ancestor_matrix([-1, *(p + 1 for p in d.parents)])
+            mask[b, 0, n + 1 :, L] = True  # padding queries: anything, their outputs are dropped
+        return mx.array(tokens), mx.array(positions), mx.array(mask), S
+
+    def _accept(self, b: int, r: Row, draft: Draft, logits: mx.array, start: int) -> tuple[list[int], int]:
+        """Row b's accepted draft nodes and next token (as the single-sequence
+        decoder decides), its cache cut to them."""
+        n = len(draft)
+        logits = logits[: n + 1]
+        if draft.parents is None:
+            if n == 0:
+                path, token = [], sample(logits[-1], r.params).item()
+            else:
+                if r.params.greedy:
+                    k, t = accept_greedy(logits, draft.tokens)
+                else:
+                    k, t = accept_sampled(logits, draft.tokens, draft.log_probs, r.params)
+                mx.eval(k, t)
+                path, token = list(range(k.item())), t.item()
+            for layer in self.cache:
+                layer.set_length(b, start + 1 + len(path))
+            return path, token
+        tokens = draft.tokens.tolist()
+        if r.params.greedy:
+            path, token = accept_tree_greedy(logits, tokens, draft.parents)
+        else:
+            path, token = accept_tree_sampled(logits, tokens, draft.parents, draft.log_probs, r.params)
+        for layer in self.cache:
+            layer.keep(b, [start + 1 + i for i in path], start + 1)
+        return path, token

@@ -1,0 +1,92 @@
+"""Batched speculative decoding: every row produces what it would alone."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_spec.batch import BatchDecoder
+from mlx_spec.decoding import plain_steps
+from mlx_spec.drafters.draft_model import DraftModel
+from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config
+from mlx_spec.drafters.lookup import PromptLookup
+from mlx_spec.errors import UserError
+from mlx_spec.models import load_model
+from mlx_spec.sampling import SamplingParams
+from stats import N, STAT_PROMPT, V, exact_joint, tiny, tv_bound
+
+GREEDY = SamplingParams()
+PROMPTS = [[1, 87, 85, 71, 84, 87, 85, 71, 84, 87, 85], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43],
+           [7], [5, 9, 13, 5, 9]]
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return load_model(str(checkpoints["qwen3"]))[0]
+
+
+def alone(target, prompt, n):
+    return [t for e in plain_steps(target, prompt, GREEDY, n) for t in e.tokens]
+
+
+def test_rows_with_different_drafters_produce_what_they_would_alone(target, checkpoints):
+    other = load_model(str(checkpoints["llama"]))[0]
+    mx.random.seed(0)
+    eagle = EagleNet(eagle_config(target, 3))
+    mx.eval(eagle.parameters())
+    V = target.args.vocab_size
+    drafters = [PromptLookup(1, 3), DraftModel(other, V), None, Eagle(eagle, target, budget=6, topk=2, depth=3)]
+    lengths = [20, 9, 14, 17]
+    decoder = BatchDecoder(target)
+    out = {i: [] for i in range(4)}
+    # Rows 0 and 1 start; 2 and 3 join a few rounds later; each leaves at its own length.
+    for i in (0, 1):
+        decoder.add(i, PROMPTS[i], GREEDY, lengths[i], drafters[i])
+    rounds, widest, accepted = 0, 0, {i: 0 for i in range(4)}
+    while decoder.rows:
+        widest = max(widest, len(decoder.rows))
+        for key, event in decoder.step().items():
+            out[key] += event.tokens
+            accepted[key] += event.accepted
+        rounds += 1
+        if rounds == 2:
+            for i in (2, 3):
+                decoder.add(i, PROMPTS[i], GREEDY, lengths[i], drafters[i])
+    assert widest == 4 and accepted[0] > 0 and accepted[2] == 0
+    for i in range(4):
+        assert out[i] == alone(target, PROMPTS[i], lengths[i]), i
+
+
+def test_self_speculation_is_refused(target):
+    from mlx_spec.drafters.layerskip import LayerSkip
+
+    with pytest.raises(UserError, match="cannot be batched"):
+        BatchDecoder(target).add(0, PROMPTS[0], GREEDY, 4, LayerSkip(target, 1))
+
+
+def batch_tv(target, draft, p, params, rows=4):
+    """TV distance between N rows' 3-token samples, drawn in batches, and the exact joint."""
+    mx.random.seed(0)
+    counts = dict.fromkeys(p, 0)
+    for start in range(0, N, rows):
+        decoder = BatchDecoder(target, k_max=3)
+        for i in range(rows):
+            decoder.add(i, STAT_PROMPT, params, 3, DraftModel(draft, V) if i % 2 == 0 else PromptLookup(1, 3))
+        out = {i: [] for i in range(rows)}
+        while decoder.rows:
+            for key, event in decoder.step().items():
+                out[key] += event.tokens
+        for tokens in out.values():
+            counts[tuple(tokens)] += 1
+    return 0.5 * sum(abs(counts[s] / N - p[s]) for s in p)
+
+
+def test_sampled_rows_have_the_targets_distribution(monkeypatch):
+    import mlx_spec.batch as batch
+    from test_speculative import resample_from_target
+
+    target, draft = tiny(0, V, logit_scale=0.3), tiny(1, V, logit_scale=0.3, rope_theta=100.0)
+    params = SamplingParams(temp=1.0)
+    p = exact_joint(target, STAT_PROMPT, params, 3)
+    bound = tv_bound(p, N)
+    assert batch_tv(target, draft, p, params) < bound
+    monkeypatch.setattr(batch, "accept_sampled", resample_from_target)  # a wrong rule fails the same check
+    assert batch_tv(target, draft, p, params) > bound
