@@ -1,4 +1,4 @@
-"""`mlx-spec`: chat | generate | bench | doctor | convert | distill | train.
+"""`mlx-spec`: chat | generate | bench | serve | doctor | convert | distill | train.
 
 Bad input ends with one line on stderr naming the file, field or flag, and exit
 code 2.
@@ -223,6 +223,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return app.return_code or 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mlx_spec.serve import serve
+
+    if args.max_batch < 1 or args.max_queue < 1 or args.max_tokens < 1 or args.timeout <= 0:
+        raise UserError("--max-batch, --max-queue and --max-tokens must be >= 1, --timeout > 0")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        serve(args.model, args.drafter, args.host, args.port, args.revision, args.max_batch, args.max_queue,
+              args.max_tokens, args.timeout)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from mlx_spec.doctor import report
 
@@ -275,6 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=512, help="per answer")
     c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
     c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server with batched speculative decoding")
+    _add_model_args(sv)
+    sv.add_argument("--drafter", default="none", help="as for generate; each request gets its own session")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 503)")
+    sv.add_argument("--max-tokens", type=int, default=4096, help="the most a request may ask for")
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("doctor", help="MLX version, backend, BLAS, and how to speed things up")
     d.set_defaults(func=cmd_doctor)
