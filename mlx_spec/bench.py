@@ -74,6 +74,51 @@ class Row:
         }
 
 
+def batch_sizes(value: str) -> list[int]:
+    """`--concurrency 1,4,16`."""
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise UserError(f"--concurrency {value}: expected batch sizes like 1,4,16") from None
+    if min(sizes) < 1:
+        raise UserError(f"--concurrency {value}: batch sizes must be >= 1")
+    return sizes
+
+
+def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int) -> list[dict]:
+    """Greedy throughput of B sequences decoded together (`BatchDecoder`), per
+    batch size and method, and the mean draft length the batch policy chose:
+    where verification stops being memory-bound, it drafts less, then not at all."""
+    from mlx_spec.batch import BatchDecoder
+    from mlx_spec.drafters.base import Drafter
+
+    greedy = SamplingParams()
+    out = []
+    for B in sizes:
+        for name, drafter in drafters.items():
+            if drafter is not None and type(drafter).verify_forward is not Drafter.verify_forward:
+                continue  # self-speculation verifies with its own forward: not batched
+            times = []
+            for tokens in (8, n):  # a short warm-up round (compiling), then the measured one
+                decoder = BatchDecoder(model)
+                for i in range(B):
+                    decoder.add(i, prompts[i % len(prompts)], greedy, tokens,
+                                drafter.new_session() if drafter is not None else None)
+                produced = drafted = rounds = 0
+                tic = time.perf_counter()
+                while decoder.rows:
+                    events = decoder.step()
+                    rounds += 1
+                    produced += sum(len(e.tokens) for e in events.values())
+                    drafted += max(e.depth for e in events.values())
+                times.append(time.perf_counter() - tic)
+            out.append({"name": name, "batch": B, "tps": produced / times[-1], "mean_k": drafted / rounds})
+    plain = {r["batch"]: r["tps"] for r in out if r["name"] == PLAIN}
+    for r in out:
+        r["ratio_to_plain"] = r["tps"] / plain[r["batch"]]
+    return out
+
+
 TIE = 1e-3  # logit margin within float rounding between a one-token and a many-token forward
 
 
@@ -204,8 +249,8 @@ def drafter_options(entry: str, args: argparse.Namespace) -> tuple[str, dict]:
     return spec, options
 
 
-def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict[str, Runner]:
-    """The methods to measure, by row name."""
+def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> tuple[dict[str, Runner], dict]:
+    """The methods to measure, by row name; and our drafters by row name (None: plain)."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -220,6 +265,7 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict
             (t, False) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
         ),
     }
+    drafters = {PLAIN: None}
     for entry in args.drafters.split(","):
         entry = entry.strip()
         if entry in ("", "none") or f"mlx-spec {entry}" in runners:
@@ -234,6 +280,7 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict
             return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k)
 
         runners[f"mlx-spec {entry}"] = spec_run
+        drafters[f"mlx-spec {entry}"] = drafter
         if isinstance(drafter, DraftModel):
             ref_draft, _ = mlx_lm_load(str(drafter.path))
             k = args.num_draft or 3
@@ -246,7 +293,7 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> dict
                 )
 
             runners[f"mlx-lm {spec}"] = ref_spec_run
-    return runners
+    return runners, drafters
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -256,10 +303,11 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     if args.repeats < 1 or args.max_tokens < 2:
         raise UserError("--repeats must be >= 1 and --max-tokens >= 2")
+    sizes = batch_sizes(args.concurrency) if args.concurrency else []
     model, path = load_model(args.model, args.revision)
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(args, tokenizer)
-    runners = make_runners(args, model, tokenizer, path)
+    runners, drafters = make_runners(args, model, tokenizer, path)
     n = args.max_tokens
 
     rows: list[Row] = []
@@ -285,6 +333,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                     else:
                         row.identical &= tokens == plain_tokens
         rows += table.values()
+    concurrency = measure_concurrency(model, drafters, prompts, sizes, n) if sizes else []
     weights = tree_flatten(model.parameters())
     step_bytes = sum(v.nbytes for _, v in weights)  # read once per target step (the KV cache aside)
     bandwidth = memory_bandwidth()
@@ -301,6 +350,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "max_tokens": n,
         "repeats": args.repeats,
         "rows": [r.as_dict(plain[r.temp], bound) for r in rows],
+        "concurrency": concurrency,
     }
 
 
@@ -328,6 +378,16 @@ def format_report(report: dict) -> str:
             f"{r['decode_tps_min']:6.1f}-{r['decode_tps_max']:<6.1f} {r['ratio_to_plain']:7.2f}x {pred} "
             f"{r['tau']:5.2f} {r['c']:5.2f} {r['of_bound']:7.1%}  {acc:24} {same}"
         )
+    if report["concurrency"]:
+        sizes = sorted({r["batch"] for r in report["concurrency"]})
+        lines.append("")
+        lines.append("throughput, tokens/s of all rows together (greedy), by batch size (mean K drafted a round):")
+        lines.append(f"{'':30} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
+        for name in dict.fromkeys(r["name"] for r in report["concurrency"]):
+            cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name}
+            lines.append(f"{name:30} " + " ".join(
+                f"{cells[b]['tps']:8.1f} {cells[b]['ratio_to_plain']:4.2f}x K{cells[b]['mean_k']:3.1f}" if b in cells
+                else f"{'':18}" for b in sizes))
     return "\n".join(lines + notes)
 
 

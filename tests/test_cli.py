@@ -211,10 +211,13 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
 
     out, png = tmp_path / "report.json", tmp_path / "plot.png"
     proc = run("bench", "--model", path, "--prompts", str(prompts), "--drafters", "lookup:num-draft=2",
-               "--max-tokens", "8", "--repeats", "1", "--json", str(out), "--plot", str(png))
+               "--max-tokens", "8", "--repeats", "1", "--json", str(out), "--plot", str(png), "--concurrency", "1,3")
     assert proc.returncode == 0, proc.stderr
-    assert "mlx-spec lookup:num-draft=2" in proc.stdout and "bound by" in proc.stdout
-    assert json.loads(out.read_text())["prompts"] == 2
+    assert "mlx-spec lookup:num-draft=2" in proc.stdout and "bound by" in proc.stdout and "B=3" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2
+    assert {(r["name"], r["batch"]) for r in report["concurrency"]} == {
+        (n, b) for n in ("mlx-spec", "mlx-spec lookup:num-draft=2") for b in (1, 3)}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -228,3 +231,4 @@ def test_bench_prompt_errors(checkpoints, tmp_path):
     assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:1", "chat_template")
     assert_one_line_error(run(*base, "--drafters", "lookup:depth=x"), "lookup:depth=x", "OPTION=N")
     assert_one_line_error(run(*base, "--drafters", "lookup:block-size=4"), "--block-size", "lookup")
+    assert_one_line_error(run(*base, "--concurrency", "1,x"), "--concurrency", "1,x")
