@@ -34,6 +34,12 @@ from mlx_spec.sampling import (
 )
 
 
+def batchable(drafter: Drafter | None) -> bool:
+    """Whether the drafter's rows can share a batched verification: not when it
+    verifies with its own forward (self-speculation reuses its activations)."""
+    return drafter is None or type(drafter).verify_forward is Drafter.verify_forward
+
+
 class BatchCache:
     """One layer's keys and values for B rows, `[B, H_kv, capacity, D]`; row b
     holds `lengths[b]` tokens, the rest is padding that attention masks out."""
@@ -180,7 +186,7 @@ class BatchDecoder:
             drafter: Drafter | None = None) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
-        if drafter is not None and type(drafter).verify_forward is not Drafter.verify_forward:
+        if not batchable(drafter):
             raise UserError(f"the {drafter.name} drafter verifies with its own forward: it cannot be batched")
         single = self.model.make_cache(len(prompt))
         context = list(prompt)

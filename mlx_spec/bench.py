@@ -89,15 +89,14 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     """Greedy throughput of B sequences decoded together (`BatchDecoder`), per
     batch size and method, and the mean draft length the batch policy chose:
     where verification stops being memory-bound, it drafts less, then not at all."""
-    from mlx_spec.batch import BatchDecoder
-    from mlx_spec.drafters.base import Drafter
+    from mlx_spec.batch import BatchDecoder, batchable
 
     greedy = SamplingParams()
     out = []
     for B in sizes:
         for name, drafter in drafters.items():
-            if drafter is not None and type(drafter).verify_forward is not Drafter.verify_forward:
-                continue  # self-speculation verifies with its own forward: not batched
+            if not batchable(drafter):
+                continue
             times = []
             for tokens in (8, n):  # a short warm-up round (compiling), then the measured one
                 decoder = BatchDecoder(model)

@@ -340,6 +340,7 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None) -> None:
     """Load the model and drafter, then serve until interrupted."""
+    from mlx_spec.batch import batchable
     from mlx_spec.drafters import make_drafter
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import load_tokenizer
@@ -347,6 +348,9 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
     model, path = load_model(model_name, revision)
     tokenizer = load_tokenizer(path)
     drafter = make_drafter(drafter_spec, model, tokenizer, revision, target_source=model_name)
+    if not batchable(drafter):
+        raise UserError(f"--drafter {drafter_spec}: self-speculation verifies with its own forward and is not "
+                        "batched; serve another drafter")
     engine = Engine(model, tokenizer, drafter, max_batch, max_queue)
     context = model.args.max_position_embeddings
     handler = make_handler(engine, model_name, tokenizer, context, max_tokens, timeout)

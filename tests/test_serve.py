@@ -131,3 +131,10 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, body, needl
     assert status == 200 and payload["choices"][0]["message"]["role"] == "assistant"
     with urllib.request.urlopen(url + "/health") as r:
         assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_self_speculation_is_refused_at_start(checkpoints):
+    from mlx_spec.errors import UserError
+
+    with pytest.raises(UserError, match="--drafter layerskip"):
+        serve(str(checkpoints["qwen3"]), "layerskip", "127.0.0.1", 0)
