@@ -4,7 +4,9 @@ mlx-spec's own commands (`scripts/build_demo.py` rebuilds them all).
 
 `--model demo` is this target, and `--drafter KIND` with no source is then
 the demo's own drafter of that kind. `--model demo-layerskip` is a copy of the
-target tuned for early exit, for `--drafter layerskip`.
+target tuned for early exit, for `--drafter layerskip`; `demo-student-labels`
+is the student trained as long on the labels alone, the baseline the distilled
+student (`--drafter draft`) is measured against.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from mlx_spec.errors import UserError
 ROOT = Path(__file__).parent
 NAME = "mlx-spec/demo"  # the target's `_name_or_path`, how the drafter registry knows it
 # --model short name -> folder
-MODELS = {"demo": "target", "demo-layerskip": "layerskip"}
+MODELS = {"demo": "target", "demo-layerskip": "layerskip", "demo-student": "student",
+          "demo-student-labels": "student-labels"}
 # --drafter kind -> the folder of the demo's drafter of that kind
 DRAFTERS = {"draft": "student", "medusa": "medusa", "eagle3": "eagle3", "dflash": "dflash", "mtp-heads": "mtp-heads"}
 
