@@ -62,7 +62,7 @@ def test_self_speculation_is_refused(target):
         BatchDecoder(target).add(0, PROMPTS[0], GREEDY, 4, LayerSkip(target, 1))
 
 
-def batch_tv(target, draft, p, params, rows=4):
+def batch_tv(target, draft, p, params, rows=12):
     """TV distance between N rows' 3-token samples, drawn in batches, and the exact joint."""
     mx.random.seed(0)
     counts = dict.fromkeys(p, 0)
