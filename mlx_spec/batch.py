@@ -12,7 +12,7 @@ what it would alone.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
@@ -59,7 +59,8 @@ class BatchCache:
         if needed <= capacity:
             return
         size = (needed + self.step - 1) // self.step * self.step
-        B, H, _, D = like.shape
+        _, H, _, D = like.shape
+        B = like.shape[0] if self.keys is None else self.keys.shape[0]
         keys = mx.zeros((B, H, size, D), like.dtype)
         values = mx.zeros((B, H, size, D), like.dtype)
         if self.keys is not None:
@@ -127,26 +128,57 @@ class Row:
     produced: int = 0
 
 
+@dataclass
+class SizeStats:
+    """What the policy has measured at one batch size."""
+
+    costs: DraftLength  # forward times per verified length
+    tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # speculating? -> running sums
+    seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    rounds: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    since_plain: int = 0  # speculative rounds since plain ones were last measured
+    left: int = 0  # rounds left of a measuring run
+    left_k: int = 0  # its K
+    plain_rounds: int = 0
+
+    def rate(self, speculating: bool) -> float:
+        return self.tokens[speculating] / self.seconds[speculating]
+
+
 class BatchPolicy:
-    """One draft length K a round for the whole batch, from the rows' measured
+    """One draft length K a round for the whole batch (each row drafts at
+    most its own adaptive length within it), from the rows' measured
     acceptance and the measured time of a batched forward over B rows of
-    S = K + 1 tokens: the K with the least time per token; K = 0 (plain
-    decoding for everyone) once verifying K + 1 tokens a row stops paying,
-    as it does when a large batch makes the forward compute-bound rather than
-    memory-bound."""
+    S = K + 1 tokens: the K with the least time per token.
+
+    The model assumes every row fills its draft; a drafter that often finds
+    nothing (prompt lookup) makes the others' padded verification wasted
+    work, and drafters that must read every token cost something even in a
+    plain round. So the measured throughput of whole rounds decides too:
+    runs of plain rounds are measured beside the speculative ones, and once
+    plain rounds at this batch size produce tokens faster, as they do when a
+    large batch makes the forward compute-bound rather than memory-bound,
+    K = 0 (plain decoding for everyone), with a run of speculative rounds now
+    and then in case that changed."""
+
+    LEARN = 8  # speculative rounds before the first comparison
+    RUN = 4  # rounds in a measuring run
+    MEASURE_PLAIN = 32  # speculative rounds between two runs of plain ones
+    PROBE_EVERY = 32  # plain rounds between two runs of speculative ones
+    DECAY = 0.95  # per round, of the running sums
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.by_size: dict[int, DraftLength] = {}  # batch size -> forward times per K
+        self.by_size: dict[int, SizeStats] = {}
 
-    def costs(self, B: int) -> DraftLength:
-        return self.by_size.setdefault(B, DraftLength(self.k_max, adaptive=True))
+    def stats(self, B: int) -> SizeStats:
+        return self.by_size.setdefault(B, SizeStats(DraftLength(self.k_max, adaptive=True)))
 
     def next(self, rows: list[Row]) -> int:
-        drafting = [r for r in rows if r.drafter is not None]
-        if not drafting:
+        if not any(r.drafter is not None for r in rows):
             return 0
-        costs = self.costs(len(rows))
+        stats = self.stats(len(rows))
+        costs = stats.costs
         if not costs.verify_cost:
             return self.k_max
 
@@ -162,12 +194,33 @@ class BatchPolicy:
                 draft += k * (r.length.draft_cost or 0.0)
             return (draft + costs.verify_time(k)) / tokens
 
-        k = min(range(self.k_max + 1), key=time_per_token)
-        if k == 0:
-            costs.plain_rounds += 1
-            if costs.plain_rounds % costs.PROBE_EVERY == 0:
-                return min(costs.PROBE_K, self.k_max)
-        return k
+        best = min(range(self.k_max + 1), key=time_per_token)
+        if best and stats.left:  # a measuring run goes on
+            stats.left -= 1
+            return stats.left_k
+        if best and stats.rounds[True] >= self.LEARN and (
+                stats.rounds[False] == 0 or stats.since_plain >= self.MEASURE_PLAIN):
+            stats.left, stats.left_k = self.RUN - 1, 0
+            return 0
+        if best and (stats.rounds[True] < self.LEARN or stats.rounds[False] == 0
+                     or stats.rate(True) >= stats.rate(False)):
+            return best
+        stats.plain_rounds += 1
+        if stats.plain_rounds % self.PROBE_EVERY == 0:
+            k = best or min(DraftLength.PROBE_K, self.k_max)
+            stats.left, stats.left_k = self.RUN - 1, k
+            return k
+        return 0
+
+    def record(self, B: int, k: int, S: int, tokens: int, seconds: float) -> None:
+        """A round's outcome: K chosen, S verified, tokens produced in `seconds`."""
+        stats = self.stats(B)
+        spec = k > 0
+        if S - 1 in stats.costs.seen:  # a length's first round also compiles: not a rate to learn from
+            stats.tokens[spec] = self.DECAY * stats.tokens[spec] + tokens
+            stats.seconds[spec] = self.DECAY * stats.seconds[spec] + seconds
+            stats.rounds[spec] += 1
+        stats.since_plain = stats.since_plain + 1 if spec else 0
 
 
 class BatchDecoder:
@@ -222,7 +275,7 @@ class BatchDecoder:
         drafts = []
         for r in rows:
             room = r.max_tokens - r.produced - 1  # the round adds one target token
-            kr = min(k, room) if r.drafter is not None else 0
+            kr = min(k, room, r.length.next()) if r.drafter is not None and k else 0
             drafts.append(r.drafter.propose(r.context, kr, r.params) if kr > 0 else Draft(mx.array([], dtype=mx.int32)))
         mid = time.perf_counter()
         capture = tuple(sorted({i for r in rows if r.drafter is not None for i in r.drafter.capture}))
@@ -232,7 +285,7 @@ class BatchDecoder:
         accepted = [self._accept(b, r, d, logits[b], starts[b]) for b, (r, d) in enumerate(zip(rows, drafts))]
         toc = time.perf_counter()
         verify_time = toc - mid
-        self.policy.costs(len(rows)).update(S - 1, 0, 0.0, verify_time)
+        B = len(rows)
         events = {}
         for b, (r, draft) in enumerate(zip(rows, drafts)):
             path, token = accepted[b]
@@ -249,6 +302,8 @@ class BatchDecoder:
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
             events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted, (mid - tic) / len(rows),
                                       verify_time, depth)
+        self.policy.record(B, k, S, sum(len(e.tokens) for e in events.values()), time.perf_counter() - tic)
+        self.policy.stats(B).costs.update(S - 1, 0, 0.0, verify_time)
         for r in [r for r in rows if r.produced >= r.max_tokens]:
             self.remove(r.key)
         return events

@@ -211,7 +211,7 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
         if not path.is_file():
             known = ", ".join(sorted(p.stem for p in SUITES.glob("*.jsonl")))
             raise UserError(f"--prompts {name}: neither a built-in suite ({known}) nor a file")
-        for n, row in read_jsonl(path):
+        for n, row in read_jsonl(path)[: args.num_prompts or None]:
             if not isinstance(row.get("prompt"), str) or not row["prompt"]:
                 raise UserError(f"{path}:{n}: expected an object with a non-empty 'prompt' string")
             chat = row.get("chat_template", True)
@@ -280,7 +280,7 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> tupl
 
         runners[f"mlx-spec {entry}"] = spec_run
         drafters[f"mlx-spec {entry}"] = drafter
-        if isinstance(drafter, DraftModel):
+        if isinstance(drafter, DraftModel) and not any(name.startswith("mlx-lm ") for name in runners):
             ref_draft, _ = mlx_lm_load(str(drafter.path))
             k = args.num_draft or 3
 
@@ -302,6 +302,8 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     if args.repeats < 1 or args.max_tokens < 2:
         raise UserError("--repeats must be >= 1 and --max-tokens >= 2")
+    if args.num_prompts < 0:
+        raise UserError(f"--num-prompts must be >= 0, got {args.num_prompts}")
     sizes = batch_sizes(args.concurrency) if args.concurrency else []
     model, path = load_model(args.model, args.revision)
     tokenizer = load_tokenizer(path)
@@ -332,7 +334,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                     else:
                         row.identical &= tokens == plain_tokens
         rows += table.values()
-    concurrency = measure_concurrency(model, drafters, prompts, sizes, n) if sizes else []
+    # Batches decode up to 64 tokens a sequence: enough for the policy to settle, a batch of 16 in seconds.
+    concurrency = measure_concurrency(model, drafters, prompts, sizes, min(n, 64)) if sizes else []
     weights = tree_flatten(model.parameters())
     step_bytes = sum(v.nbytes for _, v in weights)  # read once per target step (the KV cache aside)
     bandwidth = memory_bandwidth()

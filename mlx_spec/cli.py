@@ -265,10 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--drafters", "--drafter", default="none",
                    help="comma-separated --drafter SPECs to measure beside plain decoding, each with "
-                        "optional settings, e.g. dflash:tree-budget=24 (tree-budget, num-draft, block-size, depth, topk)")
+                        "optional settings, e.g. dflash:tree-budget=24 (tree-budget, num-draft, block-size, depth, topk); "
+                        "the first draft model is also run with mlx-lm's speculative decoding")
     b.add_argument("--prompt", default="Write a short story about a fox.", help="one prompt (without --prompts)")
     b.add_argument("--prompts", default=None,
                    help="comma-separated built-in suites (code, chat, copy) or JSONL files of {\"prompt\": TEXT}")
+    b.add_argument("--num-prompts", type=int, default=0, metavar="N", help="the first N prompts of each suite or file")
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--repeats", "--runs", type=int, default=3, help="rounds over every prompt and method")
     b.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to measure")

@@ -120,7 +120,8 @@ def plain_steps(
             y = next_y
 
 
-def _ema(old: float | None, new: float, decay: float) -> float:
+def ema(old: float | None, new: float, decay: float) -> float:
+    """A running mean that keeps `decay` of the past."""
     return new if old is None else decay * old + (1 - decay) * new
 
 
@@ -186,11 +187,11 @@ class DraftLength:
         catching_up = self.last_k == 0
         self.last_k = k
         if not first:
-            self.verify_cost[k] = _ema(self.verify_cost.get(k), verify_time, d)
+            self.verify_cost[k] = ema(self.verify_cost.get(k), verify_time, d)
         if k == 0:
             return
         if not (first or catching_up):
-            self.draft_cost = _ema(self.draft_cost, draft_time / k, d)
+            self.draft_cost = ema(self.draft_cost, draft_time / k, d)
         # Position i is reached when the drafts before it were all accepted.
         self.accepted = d * self.accepted + n
         self.reached = d * self.reached + n + (n < k)

@@ -336,6 +336,12 @@ def make_handler(engine: Engine, model_name: str, tokenizer, context: int, max_t
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    # Clients that connect at once wait in the listen backlog (socketserver's 5 drops some).
+    request_queue_size = 256
+    daemon_threads = True
+
+
 def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: str | None = None,
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None) -> None:
@@ -355,10 +361,9 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
     context = model.args.max_position_embeddings
     handler = make_handler(engine, model_name, tokenizer, context, max_tokens, timeout)
     try:
-        server = ThreadingHTTPServer((host, port), handler)
+        server = Server((host, port), handler)
     except OSError as e:
         raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-    server.daemon_threads = True
     if servers is not None:
         servers.append(server)
     if ready is not None:

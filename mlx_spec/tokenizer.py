@@ -10,7 +10,8 @@ from mlx_lm.tokenizer_utils import load as _load
 from mlx_spec.errors import UserError
 
 
-def load_tokenizer(path: Path) -> TokenizerWrapper:
+def load_tokenizer(path: Path | str) -> TokenizerWrapper:
+    path = Path(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise UserError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model)")
     try:

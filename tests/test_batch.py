@@ -3,8 +3,9 @@
 import mlx.core as mx
 import pytest
 
-from mlx_spec.batch import BatchDecoder
-from mlx_spec.decoding import plain_steps
+from mlx_spec.batch import BatchCache, BatchDecoder, BatchPolicy, Row
+from mlx_spec.cache import KVCache
+from mlx_spec.decoding import DraftLength, plain_steps
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config
 from mlx_spec.drafters.lookup import PromptLookup
@@ -53,6 +54,48 @@ def test_rows_with_different_drafters_produce_what_they_would_alone(target, chec
     assert widest == 4 and accepted[0] > 0 and accepted[2] == 0
     for i in range(4):
         assert out[i] == alone(target, PROMPTS[i], lengths[i]), i
+
+
+def test_a_longer_prompt_joins_the_batch():
+    """A row whose prompt needs more room than the batch has grows every row's cache."""
+    cache = BatchCache(step=4)
+    rows = []
+    for n in (3, 9, 2):
+        single = KVCache()
+        k = mx.random.normal((1, 2, n, 8))
+        single.update_and_fetch(k, -k)
+        cache.add(single)
+        rows.append(k)
+    assert cache.keys.shape == (3, 2, 12, 8) and cache.lengths == [3, 9, 2]
+    for b, k in enumerate(rows):
+        n = k.shape[2]
+        assert mx.array_equal(cache.keys[b : b + 1, :, :n], k) and mx.array_equal(cache.values[b : b + 1, :, :n], -k)
+
+
+def policy_rounds(accepted_per_draft: float, rounds: int = 300) -> list[int]:
+    """K chosen each round by a policy for 8 rows whose drafts look good to
+    the model (acceptance prior 0.8, flat verification cost) while each round
+    in fact yields `accepted_per_draft` tokens per drafted one."""
+    policy = BatchPolicy(k_max=4)
+    rows = [Row(i, [1], GREEDY, 10**6, drafter=object(), length=DraftLength(4, adaptive=True)) for i in range(8)]
+    chosen = []
+    for _ in range(rounds):
+        k = policy.next(rows)
+        tokens = len(rows) * (1 + accepted_per_draft * k)
+        seconds = 0.01 * (1 + 0.1 * k)
+        policy.record(len(rows), k, k + 1, tokens, seconds)
+        policy.stats(len(rows)).costs.update(k, 0, 0.0, seconds)
+        chosen.append(k)
+    return chosen[rounds // 3 :]
+
+
+def test_batch_policy_turns_speculation_off_where_plain_rounds_are_faster():
+    # Drafts that are never accepted: the measured rounds, not the model, decide.
+    off = policy_rounds(0.0)
+    assert sum(k == 0 for k in off) > 0.8 * len(off)
+    # Drafts that pay: speculation stays on, plain rounds only to measure them.
+    on = policy_rounds(0.8)
+    assert sum(k > 0 for k in on) > 0.85 * len(on)
 
 
 def test_self_speculation_is_refused(target):

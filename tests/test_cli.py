@@ -205,13 +205,14 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):", "chat_template": False}) + "\n"
-                       + json.dumps({"prompt": "Hello"}) + "\n")
+                       + json.dumps({"prompt": "Hello"}) + "\n" + json.dumps({"prompt": "not read"}) + "\n")
     assert spec["predicted_speedup"] > 0 and spec["c"] > 0 and 0 < spec["of_bound"]
     assert json.loads(proc.stdout)["bound_tps"] > 0
 
     out, png = tmp_path / "report.json", tmp_path / "plot.png"
     proc = run("bench", "--model", path, "--prompts", str(prompts), "--drafters", "lookup:num-draft=2",
-               "--max-tokens", "8", "--repeats", "1", "--json", str(out), "--plot", str(png), "--concurrency", "1,3")
+               "--num-prompts", "2", "--max-tokens", "8", "--repeats", "1", "--json", str(out), "--plot", str(png),
+               "--concurrency", "1,3")
     assert proc.returncode == 0, proc.stderr
     assert "mlx-spec lookup:num-draft=2" in proc.stdout and "bound by" in proc.stdout and "B=3" in proc.stdout
     report = json.loads(out.read_text())
@@ -232,3 +233,4 @@ def test_bench_prompt_errors(checkpoints, tmp_path):
     assert_one_line_error(run(*base, "--drafters", "lookup:depth=x"), "lookup:depth=x", "OPTION=N")
     assert_one_line_error(run(*base, "--drafters", "lookup:block-size=4"), "--block-size", "lookup")
     assert_one_line_error(run(*base, "--concurrency", "1,x"), "--concurrency", "1,x")
+    assert_one_line_error(run(*base, "--num-prompts", "-1"), "--num-prompts")

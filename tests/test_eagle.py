@@ -182,8 +182,12 @@ def test_recycle_normed_feeds_the_normed_state(target):
 def test_regenerate_rewrites_answers_with_the_target(target):
     from mlx_spec.train.data import Example, regenerate
 
-    prompt = PROMPTS[0]
-    examples = [Example(prompt + [5, 6, 7, 8], len(prompt)), Example([9, 10, 11], 0)]
-    out = regenerate(target, examples, seq_len=64, eos=set())
-    assert out[0].tokens == prompt + tokens_of(plain_steps(target, prompt, GREEDY, 4))
-    assert out[0].prompt_len == len(prompt) and out[1] == examples[1]
+    # More examples than rows in the batch, one without a prompt, one stopped by EOS.
+    solo = [tokens_of(plain_steps(target, p, GREEDY, 6)) for p in PROMPTS[:3]]
+    eos = solo[1][2]
+    examples = [Example(p + [5, 6, 7, 8, 9, 10], len(p)) for p in PROMPTS[:3]] + [Example([9, 10, 11], 0)]
+    out = regenerate(target, examples, seq_len=64, eos={eos}, batch_size=2)
+    for p, want, got in zip(PROMPTS, solo, out):
+        stop = want.index(eos) + 1 if eos in want else len(want)
+        assert got == Example(p + want[:stop], len(p))
+    assert out[3] == examples[3]

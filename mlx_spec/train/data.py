@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec.errors import UserError
+from mlx_spec.sampling import SamplingParams
 
 
 @dataclass
@@ -167,24 +168,29 @@ class Batches:
         return {"tokens": mx.array(tokens), "mask": mx.array(mask)}
 
 
-def regenerate(target, examples: list[Example], seq_len: int, eos: set[int]) -> list[Example]:
-    """The examples with their answers rewritten by `target` (greedy, as long as
-    the original, at most the row length), so a drafter learns what the target
-    itself says. Examples without a prompt stay as they are."""
-    from mlx_spec.decoding import plain_steps
-    from mlx_spec.sampling import SamplingParams
+def regenerate(target, examples: list[Example], seq_len: int, eos: set[int],
+               params: SamplingParams | None = None, batch_size: int = 16) -> list[Example]:
+    """The examples with their answers rewritten by `target` (greedy unless
+    `params` say otherwise; as long as the original, at most the row length),
+    so a drafter learns what the target itself says. Examples without a prompt
+    stay as they are. `batch_size` answers are written at once (continuous
+    batching: a finished row's place goes to the next example)."""
+    from mlx_spec.batch import BatchDecoder
 
-    out = []
-    for ex in examples:
-        if ex.prompt_len == 0:
-            out.append(ex)
-            continue
-        prompt = ex.tokens[: ex.prompt_len]
-        answer: list[int] = []
-        budget = max(1, min(len(ex.tokens), seq_len + 1) - ex.prompt_len)
-        for event in plain_steps(target, prompt, SamplingParams(), budget):
-            answer += event.tokens
-            if answer[-1] in eos:
-                break
-        out.append(Example(prompt + answer, ex.prompt_len))
-    return out
+    params = params or SamplingParams()
+    decoder = BatchDecoder(target)
+    answers: dict[int, list[int]] = {}
+    pending = [i for i, ex in enumerate(examples) if ex.prompt_len]
+    while pending or decoder.rows:
+        while pending and len(decoder.rows) < batch_size:
+            i = pending.pop(0)
+            ex = examples[i]
+            answers[i] = []
+            decoder.add(i, ex.tokens[: ex.prompt_len], params,
+                        max(1, min(len(ex.tokens), seq_len + 1) - ex.prompt_len))
+        for i, event in decoder.step().items():
+            answers[i] += event.tokens
+            if answers[i][-1] in eos and any(r.key == i for r in decoder.rows):
+                decoder.remove(i)
+    return [Example(ex.tokens[: ex.prompt_len] + answers[i], ex.prompt_len) if i in answers else ex
+            for i, ex in enumerate(examples)]
