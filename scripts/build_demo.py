@@ -13,13 +13,15 @@ source (the one corpus every machine with Python has):
    step costs about the same per layer whatever the width, so depth is what
    makes drafting cheap in comparison), trained as a language model; beside it,
    on the other core, a 2-layer student on the labels.
-3. `mlx-spec train layerskip` tunes the target for early exit, so that
-   `--drafter layerskip` works on the demo target itself; the tuned model is
-   the demo target.
-4. every drafter, with `mlx-spec` commands against the tuned target, two at a
+3. self-distillation data: the target answers 3000 prompts like the
+   benchmark's (chat requests, functions' signatures and docstrings, windows
+   of code), greedily and a quarter sampled, batched (`BatchDecoder`).
+4. every drafter, with `mlx-spec` commands against the target, two at a
    time: the student distilled from it (`mlx-spec distill`), the same student
    trained as long on labels alone (the baseline distillation has to beat),
-   Medusa heads, EAGLE-3, DFlash and parallel MTP heads.
+   and, on the target's own answers, Medusa heads, EAGLE-3, DFlash and
+   parallel MTP heads; and a copy of the target tuned for early exit
+   (`mlx-spec train layerskip`, for `--model demo-layerskip`).
 5. `--install` writes them in float16 (loading upcasts to the compute dtype)
    to `mlx_spec/demo/`, with the held-out prompts, where `--model demo` finds
    them.
@@ -53,9 +55,10 @@ from mlx.utils import tree_flatten
 from mlx_spec import demo
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
+from mlx_spec.sampling import SamplingParams
 from mlx_spec.testing import SPECIAL_TOKENS, make_config, make_tokenizer, write_checkpoint
-from mlx_spec.tokenizer import load_tokenizer
-from mlx_spec.train.data import encode_example
+from mlx_spec.tokenizer import encode_prompt, load_tokenizer
+from mlx_spec.train.data import Example, encode_example, regenerate
 from mlx_spec.train.lm import lm_loss, train_lm
 
 VOCAB_SIZE = 2048
@@ -68,6 +71,8 @@ HELD_OUT = {"difflib", "textwrap", "fractions", "shlex", "heapq", "calendar", "i
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"}
 MAX_FUNCTION_CHARS = 2000
 ROW_TOKENS = 1024
+# Self-distillation data: raw-code prompts' length, answers' length.
+SELF_PROMPT, SELF_ANSWER = 96, 160
 
 TARGET = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64, intermediate_size=768)
@@ -233,7 +238,7 @@ def build_language_models(work: Path, args: argparse.Namespace) -> None:
     (work / "lm_losses.json").write_text(json.dumps(losses, indent=2))
 
 
-# --- 3, 4. the tuned target and its drafters ----------------------------------
+# --- 3, 4. self-distillation data and the drafters ---------------------------
 
 def write_token_rows(work: Path) -> Path:
     """The token streams cut into rows of token ids, the data every `mlx-spec`
@@ -249,6 +254,88 @@ def write_token_rows(work: Path) -> Path:
             f.writelines(json.dumps({"tokens": r}) + "\n" for r in rows)
     os.replace(folder / "train.tmp", folder / "train.jsonl")
     os.replace(folder / "valid.tmp", folder / "valid.jsonl")
+    return folder
+
+
+def parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except SyntaxError:
+        return False
+    return True
+
+
+def function_head(source: str) -> str:
+    """A function's signature and docstring: the text a code prompt gives."""
+    tree = ast.parse(source).body[0]
+    body_start = tree.body[1].lineno - 1 if len(tree.body) > 1 else len(source.splitlines())
+    return "\n".join(source.splitlines()[:body_start]) + "\n"
+
+
+def self_prompts(work: Path, split: str, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts like the benchmark's, from one split, a third each:
+    chat requests through the template, functions' signatures and docstrings
+    to complete, and windows of raw code to continue."""
+    tokenizer = load_tokenizer(work / "tokenizer")
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for line in open(work / "data" / f"{split}.jsonl", encoding="utf-8"):
+        row = json.loads(line)
+        if "messages" in row:
+            pairs.append([m["content"] for m in row["messages"]])
+    picked = [pairs[i] for i in rng.permutation(len(pairs))[: 2 * count // 3]]
+    chats = [encode_prompt(tokenizer, request) for request, _ in picked[::2]]
+    heads = [encode_prompt(tokenizer, function_head(code), chat_template=False)
+             for _, code in picked[1::2] if parses(code)]
+    ids = token_stream(work, split)
+    starts = rng.integers(0, len(ids) - SELF_PROMPT, count - len(chats) - len(heads))
+    prompts = chats + heads + [ids[s : s + SELF_PROMPT].tolist() for s in starts]
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
+def regenerate_rows(work: Path, prompts: list[list[int]], temps: list[float], out: Path) -> None:
+    """The target's answers (`SELF_ANSWER` tokens or to its end of turn) to
+    `prompts`, each at its temperature, as token rows (prompt and answer)."""
+    from mlx_spec.models import load_model
+
+    target, _ = load_model(work / "target-lm")
+    eos = {SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|endoftext|>")}
+    rows = []
+    for temp in sorted(set(temps)):
+        mine = [p for p, t in zip(prompts, temps) if t == temp]
+        examples = [Example(p + [0] * SELF_ANSWER, len(p)) for p in mine]
+        rows += regenerate(target, examples, max(map(len, mine)) + SELF_ANSWER, eos, SamplingParams(temp=temp), batch_size=32)
+    with open(out.with_suffix(".tmp"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"tokens": ex.tokens}) + "\n" for ex in rows)
+    os.replace(out.with_suffix(".tmp"), out)
+
+
+def build_self_data(work: Path, args: argparse.Namespace) -> Path:
+    """Self-distillation data: the target's own answers to prompts like the
+    benchmark's (greedy, a quarter sampled at temperature 1), the data the
+    drafters train on: what they must predict is what this target says, not
+    what the corpus says. Two processes, one a core."""
+    folder = work / "data-self"
+    if (folder / "valid.jsonl").exists():
+        return folder
+    folder.mkdir(exist_ok=True)
+    jobs = []
+    for split, count in (("train", args.self_examples), ("valid", 64)):
+        prompts = self_prompts(work, split, count, args.seed)
+        temps = [1.0 if i % 4 == 3 else 0.0 for i in range(count)]
+        jobs += [(prompts[half::2], temps[half::2], folder / f"{split}-{half}.jsonl") for half in (0, 1)]
+    log(f"self-distillation data: the target answers {args.self_examples} prompts")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(regenerate_rows, work, *job) for job in jobs if not job[2].exists()]:
+            f.result()
+    del os.environ["OPENBLAS_NUM_THREADS"]
+    for split in ("train", "valid"):
+        parts = [folder / f"{split}-{half}.jsonl" for half in (0, 1)]
+        (folder / f"{split}.tmp").write_text("".join(p.read_text(encoding="utf-8") for p in parts), encoding="utf-8")
+        os.replace(folder / f"{split}.tmp", folder / f"{split}.jsonl")
+        for p in parts:
+            p.unlink()
     return folder
 
 
@@ -287,21 +374,24 @@ def run_commands(work: Path, jobs: dict[str, list[str]], parallel: int = 2) -> N
 
 def build_drafters(work: Path, args: argparse.Namespace) -> None:
     data = str(write_token_rows(work))
+    self_data = str(build_self_data(work, args))
     target = str(work / "target-lm")
-    common = ["--data", data, "--seq-len", "256", "--batch-size", "8", "--save-every", "50", "--eval-batches", "16"]
+    common = ["--seq-len", "256", "--batch-size", "8", "--save-every", "50", "--eval-batches", "16"]
     distill = ["distill", "--teacher", target, "--student", str(work / "student-lm"), "--data", data,
                "--steps", str(args.distill_steps), "--batch-size", "16", "--seq-len", "128",
                "--lr", str(DISTILL_LR), "--warmup", str(DISTILL_WARMUP), "--save-every", "50", "--eval-batches", "16"]
-    drafter = [*common, "--target", target, "--lr", "1e-3", "--warmup", "20"]
+    drafter = [*common, "--data", self_data, "--target", target, "--lr", "1e-3", "--warmup", "20"]
     # Longest first, two at a time.
     run_commands(work, {
         "eagle3": ["train", "eagle3", *drafter, "--steps", str(args.eagle_steps), "--ttt-steps", "3"],
-        "dflash": ["train", "dflash", *drafter, "--steps", str(args.dflash_steps), "--block-size", str(args.block_size)],
+        # Four of the eight layers: the block is filled from the target's features alone.
+        "dflash": ["train", "dflash", *drafter, "--steps", str(args.dflash_steps), "--block-size", str(args.block_size),
+                   "--target-layers", "1,3,5,7"],
         # Forward KL at temperature 1 (what speculative sampling compares) with a little cross-entropy.
         "student": [*distill, "--temperature", "1", "--alpha", "0.1"],
         # A copy of the target tuned for early exit, for `--model demo-layerskip --drafter layerskip`.
-        "layerskip": ["train", "layerskip", *common, "--target", target, "--steps", str(args.layerskip_steps),
-                      "--lr", "3e-4", "--warmup", "10"],
+        "layerskip": ["train", "layerskip", *common, "--data", data, "--target", target,
+                      "--steps", str(args.layerskip_steps), "--lr", "3e-4", "--warmup", "10"],
         "medusa": ["train", "medusa", *drafter, "--steps", str(args.medusa_steps), "--heads", "4"],
         "mtp-heads": ["train", "mtp-heads", *drafter, "--steps", str(args.mtp_steps), "--heads", "3"],
     })
@@ -333,10 +423,7 @@ def write_prompt_suites(work: Path, folder: Path, count: int = 8) -> None:
     functions = held_out_functions(work, count)
     suites = {"code": [], "chat": [], "copy": []}
     for request, source in functions:
-        tree = ast.parse(source).body[0]
-        body_start = tree.body[1].lineno - 1 if len(tree.body) > 1 else len(source.splitlines())
-        head = "\n".join(source.splitlines()[:body_start]) + "\n"
-        suites["code"].append({"prompt": head, "chat_template": False})
+        suites["code"].append({"prompt": function_head(source), "chat_template": False})
         suites["chat"].append({"prompt": request})
         suites["copy"].append({"prompt": f"{source}\n\n\n{source.splitlines()[0]}\n", "chat_template": False})
     folder.mkdir(parents=True, exist_ok=True)
@@ -395,10 +482,11 @@ def main() -> None:
     parser.add_argument("--target-steps", type=int, default=1600)
     parser.add_argument("--student-steps", type=int, default=1600)
     parser.add_argument("--distill-steps", type=int, default=400)
-    parser.add_argument("--eagle-steps", type=int, default=250)
-    parser.add_argument("--dflash-steps", type=int, default=300)
+    parser.add_argument("--self-examples", type=int, default=3000, help="prompts the target answers for the drafters")
+    parser.add_argument("--eagle-steps", type=int, default=300)
+    parser.add_argument("--dflash-steps", type=int, default=350)
     parser.add_argument("--medusa-steps", type=int, default=200)
-    parser.add_argument("--mtp-steps", type=int, default=120)
+    parser.add_argument("--mtp-steps", type=int, default=160)
     parser.add_argument("--layerskip-steps", type=int, default=80)
     parser.add_argument("--block-size", type=int, default=8, help="DFlash's block")
     parser.add_argument("--seed", type=int, default=0)

@@ -64,3 +64,9 @@ def test_portable_configs_hold_no_path_of_the_machine(build, tmp_path):
     assert build.portable_config(config, work, "layerskip")["_name_or_path"] == "mlx-spec/demo-layerskip"
     drafter = build.portable_config({"base_model_name_or_path": str(work / "target-lm")}, work, "medusa")
     assert str(tmp_path) not in json.dumps(drafter)
+
+
+def test_function_head_is_the_signature_and_docstring(build):
+    source = 'def f(a,\n      b):\n    """Add.\n\n    Two numbers."""\n    c = a + b\n    return c\n'
+    assert build.function_head(source) == 'def f(a,\n      b):\n    """Add.\n\n    Two numbers."""\n'
+    assert build.parses(source) and not build.parses("    def f():\n        pass\n")
