@@ -17,11 +17,12 @@ source (the one corpus every machine with Python has):
    benchmark's (chat requests, functions' signatures and docstrings, windows
    of code), greedily and a quarter sampled, batched (`BatchDecoder`).
 4. every drafter, with `mlx-spec` commands against the target, two at a
-   time: the student distilled from it (`mlx-spec distill`), the same student
-   trained as long on labels alone (the baseline distillation has to beat),
-   and, on the target's own answers, Medusa heads, EAGLE-3, DFlash and
-   parallel MTP heads; and a copy of the target tuned for early exit
-   (`mlx-spec train layerskip`, for `--model demo-layerskip`).
+   time, on the target's own answers: the student distilled from it
+   (`mlx-spec distill`; the same student trained as long on the corpus's
+   labels alone is the baseline distillation has to beat), Medusa heads,
+   EAGLE-3, DFlash and parallel MTP heads; and, on the corpus, a copy of the
+   target tuned for early exit (`mlx-spec train layerskip`, for
+   `--model demo-layerskip`).
 5. `--install` writes them in float16 (loading upcasts to the compute dtype)
    to `mlx_spec/demo/`, with the held-out prompts, where `--model demo` finds
    them.
@@ -304,7 +305,8 @@ def regenerate_rows(work: Path, prompts: list[list[int]], temps: list[float], ou
     for temp in sorted(set(temps)):
         mine = [p for p, t in zip(prompts, temps) if t == temp]
         examples = [Example(p + [0] * SELF_ANSWER, len(p)) for p in mine]
-        rows += regenerate(target, examples, max(map(len, mine)) + SELF_ANSWER, eos, SamplingParams(temp=temp), batch_size=32)
+        rows += regenerate(target, examples, max(map(len, mine)) + SELF_ANSWER, eos, SamplingParams(temp=temp),
+                           batch_size=32)
     with open(out.with_suffix(".tmp"), "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"tokens": ex.tokens}) + "\n" for ex in rows)
     os.replace(out.with_suffix(".tmp"), out)
@@ -377,7 +379,7 @@ def build_drafters(work: Path, args: argparse.Namespace) -> None:
     self_data = str(build_self_data(work, args))
     target = str(work / "target-lm")
     common = ["--seq-len", "256", "--batch-size", "8", "--save-every", "50", "--eval-batches", "16"]
-    distill = ["distill", "--teacher", target, "--student", str(work / "student-lm"), "--data", data,
+    distill = ["distill", "--teacher", target, "--student", str(work / "student-lm"), "--data", self_data,
                "--steps", str(args.distill_steps), "--batch-size", "16", "--seq-len", "128",
                "--lr", str(DISTILL_LR), "--warmup", str(DISTILL_WARMUP), "--save-every", "50", "--eval-batches", "16"]
     drafter = [*common, "--data", self_data, "--target", target, "--lr", "1e-3", "--warmup", "20"]
@@ -387,7 +389,8 @@ def build_drafters(work: Path, args: argparse.Namespace) -> None:
         # Four of the eight layers: the block is filled from the target's features alone.
         "dflash": ["train", "dflash", *drafter, "--steps", str(args.dflash_steps), "--block-size", str(args.block_size),
                    "--target-layers", "1,3,5,7"],
-        # Forward KL at temperature 1 (what speculative sampling compares) with a little cross-entropy.
+        # On the target's answers (sequence-level distillation) with the forward KL at temperature 1
+        # (what speculative sampling compares) and a little cross-entropy.
         "student": [*distill, "--temperature", "1", "--alpha", "0.1"],
         # A copy of the target tuned for early exit, for `--model demo-layerskip --drafter layerskip`.
         "layerskip": ["train", "layerskip", *common, "--data", data, "--target", target,
@@ -419,13 +422,15 @@ def write_prompt_suites(work: Path, folder: Path, count: int = 8) -> None:
     """The benchmark's built-in suites, from held-out modules:
     code (raw text: a function's signature and docstring, to complete),
     chat (the request of a docstring -> function pair, through the chat template),
-    copy (raw text: a function, then its first line again: the answer repeats it)."""
+    copy (raw text: a function twice, then its signature and docstring again:
+    the answer repeats the body)."""
     functions = held_out_functions(work, count)
     suites = {"code": [], "chat": [], "copy": []}
     for request, source in functions:
         suites["code"].append({"prompt": function_head(source), "chat_template": False})
         suites["chat"].append({"prompt": request})
-        suites["copy"].append({"prompt": f"{source}\n\n\n{source.splitlines()[0]}\n", "chat_template": False})
+        copy = f"{source}\n\n\n{source}\n\n\n{function_head(source)}"
+        suites["copy"].append({"prompt": copy, "chat_template": False})
     folder.mkdir(parents=True, exist_ok=True)
     for suite, rows in suites.items():
         (folder / f"{suite}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
