@@ -45,6 +45,7 @@ import sysconfig
 import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -214,12 +215,21 @@ def train_lm_stages(work: Path, name: str, arch: dict, stages: list[tuple[str, i
     return losses
 
 
+@contextmanager
+def one_per_core(n: int) -> Iterator[ProcessPoolExecutor]:
+    """A pool of `n` processes with one BLAS thread each: MLX's CPU backend runs
+    the elementwise ops on one core, so n processes use n cores."""
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            yield pool
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
+
+
 def build_language_models(work: Path, args: argparse.Namespace) -> None:
     if (work / "target-lm" / "model.safetensors").exists() and (work / "student-labels" / "model.safetensors").exists():
         return
-    # One process per model, one BLAS thread each: MLX's CPU backend runs the
-    # elementwise ops on one core, so two processes use the two cores.
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     # The labels-only student trains on as many tokens as the distilled one
     # sees in pre-training plus distillation (16 x 128 tokens a step), at
     # distillation's learning rate.
@@ -229,13 +239,12 @@ def build_language_models(work: Path, args: argparse.Namespace) -> None:
         "student": (STUDENT, [("student-lm", args.student_steps, 3e-3, 100),
                               ("student-labels", extra, DISTILL_LR, DISTILL_WARMUP)]),
     }
-    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+    with one_per_core(len(jobs)) as pool:
         futures = [pool.submit(train_lm_stages, work, name, arch, stages, args.seed)
                    for name, (arch, stages) in jobs.items()]
         losses = {}
         for f in futures:
             losses.update(f.result())
-    del os.environ["OPENBLAS_NUM_THREADS"]
     (work / "lm_losses.json").write_text(json.dumps(losses, indent=2))
 
 
@@ -327,11 +336,9 @@ def build_self_data(work: Path, args: argparse.Namespace) -> Path:
         temps = [1.0 if i % 4 == 3 else 0.0 for i in range(count)]
         jobs += [(prompts[half::2], temps[half::2], folder / f"{split}-{half}.jsonl") for half in (0, 1)]
     log(f"self-distillation data: the target answers {args.self_examples} prompts")
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with one_per_core(2) as pool:
         for f in [pool.submit(regenerate_rows, work, *job) for job in jobs if not job[2].exists()]:
             f.result()
-    del os.environ["OPENBLAS_NUM_THREADS"]
     for split in ("train", "valid"):
         parts = [folder / f"{split}-{half}.jsonl" for half in (0, 1)]
         (folder / f"{split}.tmp").write_text("".join(p.read_text(encoding="utf-8") for p in parts), encoding="utf-8")
