@@ -20,9 +20,8 @@ source (the one corpus every machine with Python has):
    time, on the target's own answers: the student distilled from it
    (`mlx-spec distill`; the same student trained as long on the corpus's
    labels alone is the baseline distillation has to beat), Medusa heads,
-   EAGLE-3, DFlash and parallel MTP heads; and, on the corpus, a copy of the
-   target tuned for early exit (`mlx-spec train layerskip`, for
-   `--model demo-layerskip`).
+   EAGLE-3, DFlash, parallel MTP heads, and a copy of the target tuned for
+   early exit (`mlx-spec train layerskip`, for `--model demo-layerskip`).
 5. `--install` writes them in float16 (loading upcasts to the compute dtype)
    to `mlx_spec/demo/`, with the held-out prompts, where `--model demo` finds
    them.
@@ -72,7 +71,6 @@ HELD_OUT = {"difflib", "textwrap", "fractions", "shlex", "heapq", "calendar", "i
 # tables (`encodings`), the help texts of `pydoc_data`.
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"}
 MAX_FUNCTION_CHARS = 2000
-ROW_TOKENS = 1024
 # Self-distillation data: raw-code prompts' length, answers' length.
 SELF_PROMPT, SELF_ANSWER = 96, 160
 
@@ -250,23 +248,6 @@ def build_language_models(work: Path, args: argparse.Namespace) -> None:
 
 # --- 3, 4. self-distillation data and the drafters ---------------------------
 
-def write_token_rows(work: Path) -> Path:
-    """The token streams cut into rows of token ids, the data every `mlx-spec`
-    command below reads (tokenizing the corpus once, not once per command)."""
-    folder = work / "data-tokens"
-    if (folder / "valid.jsonl").exists():
-        return folder
-    folder.mkdir(exist_ok=True)
-    for split in ("train", "valid"):
-        ids = token_stream(work, split)
-        rows = (ids[i : i + ROW_TOKENS].tolist() for i in range(0, len(ids) - 1, ROW_TOKENS))
-        with open(folder / f"{split}.tmp", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({"tokens": r}) + "\n" for r in rows)
-    os.replace(folder / "train.tmp", folder / "train.jsonl")
-    os.replace(folder / "valid.tmp", folder / "valid.jsonl")
-    return folder
-
-
 def parses(source: str) -> bool:
     try:
         ast.parse(source)
@@ -382,7 +363,6 @@ def run_commands(work: Path, jobs: dict[str, list[str]], parallel: int = 2) -> N
 
 
 def build_drafters(work: Path, args: argparse.Namespace) -> None:
-    data = str(write_token_rows(work))
     self_data = str(build_self_data(work, args))
     target = str(work / "target-lm")
     common = ["--seq-len", "256", "--batch-size", "8", "--save-every", "50", "--eval-batches", "16"]
@@ -400,10 +380,10 @@ def build_drafters(work: Path, args: argparse.Namespace) -> None:
         # (what speculative sampling compares) and a little cross-entropy.
         "student": [*distill, "--temperature", "1", "--alpha", "0.1"],
         # A copy of the target tuned for early exit, for `--model demo-layerskip --drafter layerskip`.
-        "layerskip": ["train", "layerskip", *common, "--data", data, "--target", target,
+        "layerskip": ["train", "layerskip", *common, "--data", self_data, "--target", target,
                       "--steps", str(args.layerskip_steps), "--lr", "3e-4", "--warmup", "10"],
         "medusa": ["train", "medusa", *drafter, "--steps", str(args.medusa_steps), "--heads", "4"],
-        "mtp-heads": ["train", "mtp-heads", *drafter, "--steps", str(args.mtp_steps), "--heads", "3"],
+        "mtp-heads": ["train", "mtp-heads", *drafter, "--steps", str(args.mtp_steps), "--heads", "2"],
     })
 
 
@@ -495,11 +475,11 @@ def main() -> None:
     parser.add_argument("--student-steps", type=int, default=1600)
     parser.add_argument("--distill-steps", type=int, default=400)
     parser.add_argument("--self-examples", type=int, default=3000, help="prompts the target answers for the drafters")
-    parser.add_argument("--eagle-steps", type=int, default=300)
-    parser.add_argument("--dflash-steps", type=int, default=350)
+    parser.add_argument("--eagle-steps", type=int, default=750)
+    parser.add_argument("--dflash-steps", type=int, default=800)
     parser.add_argument("--medusa-steps", type=int, default=200)
-    parser.add_argument("--mtp-steps", type=int, default=160)
-    parser.add_argument("--layerskip-steps", type=int, default=80)
+    parser.add_argument("--mtp-steps", type=int, default=400)
+    parser.add_argument("--layerskip-steps", type=int, default=150)
     parser.add_argument("--block-size", type=int, default=8, help="DFlash's block")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--install", action="store_true", help="write the results into mlx_spec/demo/")

@@ -34,6 +34,26 @@ def test_greedy_is_token_identical_to_plain(target, budget, tmp_path):
         assert tokens_of(events) == plain, (budget, prompt, max_tokens, k)
 
 
+def test_a_head_reads_the_trunk_only_when_it_drafts(target):
+    """Rounds that draft one token run only the first head; when a round drafts
+    three, the others catch up and draft what heads that read every state do."""
+    mx.random.seed(0)
+    heads = MTPHeads(mtp_heads_config(target, 3))
+    short, full = MTPHeadsDrafter(heads, target), MTPHeadsDrafter(heads, target)
+    prompt = PROMPTS[1]
+    _, (trunk,) = target(mx.array(prompt)[None], capture=short.capture)  # [1, S, H]
+    start = 0
+    for end in (4, 6, 9):  # the trunk states of prompt[:end] are committed; prompt[end] is pending
+        for drafter in (short, full):
+            drafter.commit(prompt[: end + 1], (trunk[:, start:end],))
+        first = short.propose(prompt[: end + 1], 1, GREEDY).tokens.tolist()
+        assert first == full.propose(prompt[: end + 1], 3, GREEDY).tokens.tolist()[:1]
+        start = end
+    assert [c.offset for c in short.caches] == [9, 0, 0]
+    assert short.propose(prompt, 3, GREEDY).tokens.tolist() == full.propose(prompt, 3, GREEDY).tokens.tolist()
+    assert [c.offset for c in short.caches] == [9, 9, 9]
+
+
 def test_sampling_matches_target_distribution():
     stat_target = tiny(0, V, logit_scale=0.3)
     mx.random.seed(3)

@@ -44,8 +44,11 @@ class MTPHeads(nn.Module):
 
     def __call__(self, trunk: mx.array, caches: list[KVCache] | None = None) -> list[mx.array]:
         """Trunk states `[B, S, H]` -> each head's output states `[B, S, H]` (causal)."""
-        mask = "causal" if trunk.shape[1] > 1 else None
-        return [head(trunk, mask, caches[k] if caches else None, None) for k, head in enumerate(self.heads)]
+        return [self.head(k, trunk, caches[k] if caches else None) for k in range(len(self.heads))]
+
+    def head(self, k: int, trunk: mx.array, cache: KVCache | None = None) -> mx.array:
+        """Head k's output states `[B, S, H]` for trunk states `[B, S, H]` (causal)."""
+        return self.heads[k](trunk, "causal" if trunk.shape[1] > 1 else None, cache, None)
 
     def weights(self) -> dict[str, mx.array]:
         return dict(tree_flatten(self.parameters()))
@@ -87,21 +90,27 @@ class MTPHeadsDrafter(Drafter):
         return MTPHeadsDrafter(self.heads, self.target, self.budget)
 
     def reset(self, prompt: list[int], cached: int = 0) -> int:
-        self.caches = [KVCache() for _ in self.heads.heads]
-        self.pending: list[mx.array] = []
-        self.last: list[mx.array] | None = None  # each head's output at the last committed token
+        n = len(self.heads.heads)
+        self.caches = [KVCache() for _ in range(n)]
+        self.pending: list[list[mx.array]] = [[] for _ in range(n)]  # trunk states each head has yet to read
+        self.last: list[mx.array | None] = [None] * n  # each head's output at the last committed token
         return 0
 
     def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         if features:
-            self.pending.append(features[0])
+            for pending in self.pending:
+                pending.append(features[0])
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        if self.pending:
-            outs = self.heads(mx.concatenate(self.pending, axis=1), self.caches)
-            self.pending = []
-            self.last = [o[0, -1] for o in outs]
-        if self.last is None or self.caches[0].offset != len(context) - 1:
+        k = min(k, len(self.heads.heads))
+        # Only the heads this round drafts with read the new trunk states; the
+        # others catch up when a round needs them, so a short draft costs only its heads.
+        for i in range(k):
+            if self.pending[i]:
+                out = self.heads.head(i, mx.concatenate(self.pending[i], axis=1), self.caches[i])
+                self.pending[i] = []
+                self.last[i] = out[0, -1]
+        if k == 0 or any(self.last[i] is None or self.caches[i].offset != len(context) - 1 for i in range(k)):
             return Draft(mx.array([], dtype=mx.int32))  # no trunk state yet (a one-token prompt)
         logits = self.target.head(mx.stack(self.last[:k]))  # [k, V]: head i drafts the token i + 1 ahead
         if self.budget is not None:
