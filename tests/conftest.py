@@ -49,10 +49,20 @@ def stride_model(tmp_path_factory):
 
 
 def _train_task_model(tmp_path_factory, task: str, steps: int):
+    import fcntl
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp(task)
-    code = f"from mlx_spec.testing import train_copy_model; train_copy_model({str(out)!r}, {steps}, task={task!r})"
-    subprocess.run([sys.executable, "-c", code], env=_fast_blas_env(), check=True, timeout=600)
+    # Trained once per test run: pytest-xdist's workers share the parent of
+    # their temporary folders, and take turns through a lock on it.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out, done = root / f"{task}-model", root / f"{task}-model.done"
+    with open(root / f"{task}-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            code = f"from mlx_spec.testing import train_copy_model; train_copy_model({str(out)!r}, {steps}, task={task!r})"
+            subprocess.run([sys.executable, "-c", code], env=_fast_blas_env(), check=True, timeout=600)
+            done.touch()
     return out
