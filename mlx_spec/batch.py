@@ -212,8 +212,9 @@ class BatchPolicy:
             return k
         return 0
 
-    def record(self, B: int, k: int, S: int, tokens: int, seconds: float) -> None:
-        """A round's outcome: K chosen, S verified, tokens produced in `seconds`."""
+    def record(self, B: int, k: int, S: int, tokens: int, seconds: float, verify_time: float) -> None:
+        """A round's outcome: K chosen, S tokens a row verified in `verify_time`,
+        `tokens` produced in `seconds`."""
         stats = self.stats(B)
         spec = k > 0
         if S - 1 in stats.costs.seen:  # a length's first round also compiles: not a rate to learn from
@@ -221,6 +222,7 @@ class BatchPolicy:
             stats.seconds[spec] = self.DECAY * stats.seconds[spec] + seconds
             stats.rounds[spec] += 1
         stats.since_plain = stats.since_plain + 1 if spec else 0
+        stats.costs.update(S - 1, 0, 0.0, verify_time)
 
 
 class BatchDecoder:
@@ -285,7 +287,6 @@ class BatchDecoder:
         accepted = [self._accept(b, r, d, logits[b], starts[b]) for b, (r, d) in enumerate(zip(rows, drafts))]
         toc = time.perf_counter()
         verify_time = toc - mid
-        B = len(rows)
         events = {}
         for b, (r, draft) in enumerate(zip(rows, drafts)):
             path, token = accepted[b]
@@ -302,8 +303,8 @@ class BatchDecoder:
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
             events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted, (mid - tic) / len(rows),
                                       verify_time, depth)
-        self.policy.record(B, k, S, sum(len(e.tokens) for e in events.values()), time.perf_counter() - tic)
-        self.policy.stats(B).costs.update(S - 1, 0, 0.0, verify_time)
+        self.policy.record(len(rows), k, S, sum(len(e.tokens) for e in events.values()), time.perf_counter() - tic,
+                           verify_time)
         for r in [r for r in rows if r.produced >= r.max_tokens]:
             self.remove(r.key)
         return events

@@ -217,12 +217,16 @@ def train_lm_stages(work: Path, name: str, arch: dict, stages: list[tuple[str, i
 def one_per_core(n: int) -> Iterator[ProcessPoolExecutor]:
     """A pool of `n` processes with one BLAS thread each: MLX's CPU backend runs
     the elementwise ops on one core, so n processes use n cores."""
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    before = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read by the spawned processes as they start
     try:
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
             yield pool
     finally:
-        del os.environ["OPENBLAS_NUM_THREADS"]
+        if before is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = before
 
 
 def build_language_models(work: Path, args: argparse.Namespace) -> None:

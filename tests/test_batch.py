@@ -83,8 +83,7 @@ def policy_rounds(accepted_per_draft: float, rounds: int = 300) -> list[int]:
         k = policy.next(rows)
         tokens = len(rows) * (1 + accepted_per_draft * k)
         seconds = 0.01 * (1 + 0.1 * k)
-        policy.record(len(rows), k, k + 1, tokens, seconds)
-        policy.stats(len(rows)).costs.update(k, 0, 0.0, seconds)
+        policy.record(len(rows), k, k + 1, tokens, seconds, seconds)
         chosen.append(k)
     return chosen[rounds // 3 :]
 
