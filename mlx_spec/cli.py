@@ -47,6 +47,23 @@ def _sampling(args: argparse.Namespace):
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
 
 
+def _add_think_args(p: argparse.ArgumentParser) -> None:
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const=True, default=None,
+                       help="let the model reason first (the chat template's enable_thinking, where it has one)")
+    think.add_argument("--no-think", dest="think", action="store_const", const=False,
+                       help="answer without reasoning (enable_thinking=False, where the chat template has it)")
+
+
+def _check_think(args: argparse.Namespace, tokenizer) -> None:
+    from mlx_spec.tokenizer import has_thinking_switch
+
+    if args.think is not None and not has_thinking_switch(tokenizer):
+        flag = "--think" if args.think else "--no-think"
+        print(f"mlx-spec: note: {flag} changes nothing: {args.model}'s chat template has no thinking switch",
+              file=sys.stderr)
+
+
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
@@ -129,7 +146,7 @@ def _steps(args: argparse.Namespace, model, tokenizer):
 def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_spec.generate import Generation, stream_generate
     from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import encode_prompt, load_tokenizer
+    from mlx_spec.tokenizer import encode_prompt, load_tokenizer, thinking_args
 
     params = _sampling(args)
     if args.check and not params.greedy:
@@ -137,8 +154,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, path = load_model(args.model, args.revision)
     tokenizer = load_tokenizer(path)
     steps = _steps(args, model, tokenizer)
+    _check_think(args, tokenizer)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    ids = encode_prompt(tokenizer, prompt, chat_template=not args.no_chat_template)
+    ids = encode_prompt(tokenizer, prompt, not args.no_chat_template, thinking_args(args.think))
     if not ids:
         raise UserError("--prompt: the prompt is empty")
     result = Generation(prompt_tokens=ids)
@@ -214,11 +232,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if not sys.stdin.isatty():
         from mlx_spec.tui.lines import run_lines
 
-        return run_lines(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens)
+        return run_lines(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens, args.think)
     from mlx_spec.tui.app import ChatApp
 
     app = ChatApp(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens,
-                  Path(args.load) if args.load else None)
+                  Path(args.load) if args.load else None, args.think)
     app.run()
     return app.return_code or 0
 
@@ -256,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the user's message ('-' reads stdin)")
     _add_sampling_args(g)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    _add_think_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_drafter_args(g)
     g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
@@ -293,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-tokens", type=int, default=512, help="per answer")
     c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
+    _add_think_args(c)
     c.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server with batched speculative decoding")

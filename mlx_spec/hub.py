@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from mlx_spec import demo
 from mlx_spec.errors import UserError
@@ -40,6 +44,66 @@ def expand(name: str) -> str:
     return ALIASES.get(name.lower(), name)
 
 
+@dataclass
+class Download:
+    """How far a Hub download has come (totals grow as huggingface_hub learns them)."""
+
+    repo: str
+    done_bytes: int
+    total_bytes: int
+    done_files: int
+    total_files: int
+
+
+_reporter: ContextVar[Callable[[Download], None] | None] = ContextVar("mlx_spec_download_reporter", default=None)
+
+
+@contextmanager
+def reporting(callback: Callable[[Download], None]) -> Iterator[None]:
+    """Hub downloads made inside this block report their progress to `callback`
+    (from huggingface_hub's download threads)."""
+    token = _reporter.set(callback)
+    try:
+        yield
+    finally:
+        _reporter.reset(token)
+
+
+def _progress_bars(repo: str, callback: Callable[[Download], None]) -> type:
+    """A tqdm class for `snapshot_download` that draws nothing and sends its
+    bars' counts to `callback`: bytes (the bars counted in bytes) and files."""
+    from tqdm import tqdm
+
+    bars: list[tqdm] = []
+
+    def report() -> None:
+        in_bytes = [b for b in bars if b.unit == "B"]
+        in_files = [b for b in bars if b.unit != "B"]
+        callback(Download(
+            repo,
+            int(max((b.n for b in in_bytes), default=0)), int(max((b.total or 0 for b in in_bytes), default=0)),
+            int(max((b.n for b in in_files), default=0)), int(max((b.total or 0 for b in in_files), default=0)),
+        ))
+
+    class Bars(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            super().__init__(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
+            bars.append(self)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            # Every update, not tqdm's throttled refresh: files finish in bursts.
+            out = super().update(n)
+            report()
+            return out
+
+        def display(self, msg=None, pos=None) -> bool:
+            report()
+            return True
+
+    return Bars
+
+
 def resolve(
     path_or_repo: str,
     revision: str | None = None,
@@ -61,9 +125,11 @@ def resolve(
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
 
+    callback = _reporter.get()
+    bars = {} if callback is None else {"tqdm_class": _progress_bars(path_or_repo, callback)}
     try:
         return Path(
-            snapshot_download(path_or_repo, revision=revision, allow_patterns=list(allow_patterns))
+            snapshot_download(path_or_repo, revision=revision, allow_patterns=list(allow_patterns), **bars)
         )
     except hf_errors.LocalEntryNotFoundError:
         at = f" at revision '{revision}'" if revision else ""

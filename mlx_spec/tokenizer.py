@@ -20,11 +20,34 @@ def load_tokenizer(path: Path | str) -> TokenizerWrapper:
         raise UserError(f"{path}: tokenizer failed to load ({e})".splitlines()[0]) from None
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, chat_template: bool = True) -> list[int]:
+def has_thinking_switch(tokenizer: TokenizerWrapper) -> bool:
+    """Whether the chat template reads `enable_thinking` (Qwen3's and its kin's do)."""
+    return "enable_thinking" in str(tokenizer.chat_template or "")
+
+
+def thinking_args(think: bool | None) -> dict:
+    """The chat template's arguments for `--think/--no-think` (None: the template's default)."""
+    return {} if think is None else {"enable_thinking": think}
+
+
+def render_chat(tokenizer: TokenizerWrapper, messages: list[dict], template_args: dict | None = None) -> list[int]:
+    """Token ids of `messages` under the chat template, ready for the assistant's turn;
+    `template_args` (e.g. `enable_thinking`) go to the template as it takes them."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_args or {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding where transformers returns one
+
+
+def opens_reasoning(tokenizer: TokenizerWrapper, prompt: list[int]) -> bool:
+    """Whether the rendered prompt ends inside an open `<think>` block (templates
+    of thinking-only models open it for the model), so the answer starts with reasoning."""
+    return tokenizer.decode(prompt[-8:]).rstrip().endswith("<think>")
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str, chat_template: bool = True,
+                  template_args: dict | None = None) -> list[int]:
     """Token ids of `prompt`: the user's message under the chat template, or raw text."""
     if chat_template and tokenizer.chat_template is not None:
-        messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return render_chat(tokenizer, [{"role": "user", "content": prompt}], template_args)
     bos = tokenizer.bos_token
     ids = tokenizer.encode(prompt, add_special_tokens=bos is not None and not prompt.startswith(bos))
     return list(ids)

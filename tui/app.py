@@ -1,8 +1,10 @@
 """`mlx-spec chat`: a terminal chat that shows the drafter at work.
 
-Answers stream in as the target accepts tokens; `/colors` (or F2) colours each
-token by where it came from (green: a draft the target accepted; plain: the
-target's own). The panel on the right shows tokens/s, tokens per target
+Answers stream in as the target accepts tokens, as Markdown (a bare-code
+answer as a code block); `/colors` (or F2) draws each token coloured by where
+it came from instead (green: a draft the target accepted; plain: the target's
+own). A model's reasoning is drawn apart and folds away once the answer
+starts. The panel on the right (F3 hides it) shows tokens/s, tokens per target
 forward, acceptance by draft position and the estimated speedup, for the last
 answer and the session. Enter sends, Ctrl+J adds a new line, Esc stops the
 answer (keeping it), slash commands do the rest (`/help`).
@@ -10,34 +12,49 @@ answer (keeping it), slash commands do the rest (`/help`).
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
-from textual.widgets import Footer, Header, Markdown, Static, TextArea
+from textual.widgets import Footer, Header, Label, Markdown, ProgressBar, Static, TextArea
 
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import Metrics
 from mlx_spec.tui import engine, stats, store
+from mlx_spec.tui.answer import Answer, last_code_block, reasoning_and_content, with_reasoning
 
-DRAFT_STYLE = "bold green"
 HELP = """\
 **Commands**
 
 - `/drafter SPEC`: switch the drafter (`dflash`, `lookup`, `draft=PATH`, `none`, ...)
 - `/temp T`, `/top-p P`, `/max-tokens N`: sampling
+- `/think on|off`: the model's reasoning, where its chat template has the switch
 - `/system TEXT`: the system prompt (`/system` alone clears it)
-- `/colors`: colour tokens by origin (F2)
+- `/retry`: answer the last message again
+- `/copy`, `/copy code`: the last answer, or its last code block, to the clipboard
+- `/colors`: colour tokens by origin (F2); F3 shows or hides the stats
 - `/clear`: a new conversation
 - `/export FILE.md|FILE.json`, `/load FILE.json`
 - `/help`
 
 Enter sends, Ctrl+J adds a new line, Esc stops the answer, Ctrl+Q quits.
 """
+NARROW = 100  # columns below which the stats panel starts hidden
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
 
 
 class Prompt(TextArea):
@@ -65,70 +82,38 @@ class Prompt(TextArea):
         await super()._on_key(event)
 
 
-class Answer(Static):
-    """An assistant message: streamed as coloured text, then shown as Markdown."""
-
-    def __init__(self, text: str = "", pieces: list[tuple[str, bool]] | None = None, colors: bool = False):
-        super().__init__(classes="assistant")
-        self.pieces = pieces if pieces is not None else ([(text, False)] if text else [])
-        self.show_origin = colors
-        self.done = bool(text)
-
-    @property
-    def text(self) -> str:
-        return "".join(p for p, _ in self.pieces)
-
-    def compose(self) -> ComposeResult:
-        yield Markdown(id="md")
-
-    def on_mount(self) -> None:
-        self.render_answer()
-
-    def add(self, piece: str, from_draft: bool) -> None:
-        self.pieces.append((piece, from_draft))
-        self.render_answer()
-
-    def finish(self) -> None:
-        self.done = True
-        self.render_answer()
-
-    def render_answer(self) -> None:
-        md = self.query_one("#md", Markdown)
-        if self.done and not self.show_origin:
-            md.display = True
-            md.update(self.text)
-            self.update("")
-            return
-        md.display = False
-        self.update(Text.assemble(*((p, DRAFT_STYLE if d and self.show_origin else "") for p, d in self.pieces)))
-
-
 class ChatApp(App):
     TITLE = "mlx-spec chat"
     CSS = """
     #body { height: 1fr; }
-    #conversation { width: 1fr; padding: 0 1; }
-    #stats { width: 40; border-left: solid $primary; padding: 0 1; }
+    #main { width: 1fr; }
+    #conversation { height: 1fr; padding: 0 1; }
+    #loading { height: auto; padding: 0 1; display: none; }
+    #loading ProgressBar { width: 1fr; }
+    #stats { width: 38; border-left: solid $primary; padding: 0 1; overflow-y: auto; }
     .user { margin: 1 0 0 0; padding: 0 1; background: $boost; }
-    .assistant { margin: 1 0 0 0; }
     .error { color: $error; margin: 1 0 0 0; }
     .note { color: $text-muted; margin: 1 0 0 0; }
-    Prompt { height: 5; }
+    Prompt { height: auto; min-height: 3; max-height: 8; }
     """
     BINDINGS = [
         Binding("escape", "stop", "Stop answer"),
         Binding("f2", "colors", "Colours"),
+        Binding("f3", "stats", "Stats"),
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
     def __init__(self, model: str, drafter: str = "none", system: str = "", temp: float = 0.0,
-                 top_p: float = 1.0, max_tokens: int = 512, conversation: Path | None = None):
+                 top_p: float = 1.0, max_tokens: int = 512, conversation: Path | None = None,
+                 think: bool | None = None):
         super().__init__()
-        self.temp, self.top_p, self.max_tokens = temp, top_p, max_tokens
+        self.temp, self.top_p, self.max_tokens, self.think = temp, top_p, max_tokens, think
         self.conversation = store.Conversation(model, drafter, system)
         self.path = self.conversation.default_path()
         self.load_from = conversation
         self.show_origin = False
+        self.stats_shown: bool | None = None  # None: as wide as the terminal allows
+        self.thinking_switch = False
         self.answer: Answer | None = None
         self.busy = False
         self.session = Metrics()
@@ -141,32 +126,53 @@ class ChatApp(App):
     def compose(self) -> ComposeResult:
         yield Header()
         with Horizontal(id="body"):
-            yield VerticalScroll(id="conversation")
+            with Vertical(id="main"):
+                with Vertical(id="loading"):
+                    yield Label(id="loading-text")
+                    yield ProgressBar(show_eta=False, id="download")
+                yield VerticalScroll(id="conversation")
             yield Static(id="stats")
         yield Prompt(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line, /help)")
         yield Footer()
 
     def on_mount(self) -> None:
         c = self.conversation
+        self.loading(f"loading {c.model}…")
         self.engine.submit(engine.Load(c.model, c.drafter))
         if self.load_from is not None:
             self.load_conversation(self.load_from)
         self.show_stats()
         self.query_one("#prompt").focus()
 
+    def on_resize(self, event: events.Resize) -> None:
+        self.query_one("#stats").display = self.stats_shown if self.stats_shown is not None else \
+            event.size.width >= NARROW
+
+    def loading(self, text: str | None, download: engine.Progress | None = None) -> None:
+        """The loading line above the conversation (None hides it), with a download's progress bar."""
+        box = self.query_one("#loading")
+        box.display = text is not None
+        if text is None:
+            return
+        self.query_one("#loading-text", Label).update(text)
+        bar = self.query_one("#download", ProgressBar)
+        bar.display = download is not None
+        if download is not None:
+            bar.update(total=download.total_bytes or None, progress=download.done_bytes)
+
     # --- the conversation --------------------------------------------------------
 
     def note(self, text: str, kind: str = "note") -> None:
         widget = Markdown(text, classes=kind) if kind == "note" else Static(Text(text), classes=kind)
         self.query_one("#conversation").mount(widget)
-        widget.scroll_visible()
 
-    def add_message(self, role: str, content: str) -> Static:
-        log = self.query_one("#conversation")
-        widget = Answer(content, colors=self.show_origin) if role == "assistant" else Static(Text(content), classes="user")
-        log.mount(widget)
-        log.scroll_end(animate=False)
-        return widget
+    def add_message(self, message: dict) -> None:
+        if message["role"] == "assistant":
+            text = with_reasoning(message.get("reasoning_content", ""), message["content"])
+            widget = Answer([(text, False)], done=True, colors=self.show_origin)
+        else:
+            widget = Static(Text(message["content"]), classes="user")
+        self.query_one("#conversation").mount(widget)
 
     def save(self) -> None:
         store.save(self.conversation, self.path)
@@ -181,31 +187,48 @@ class ChatApp(App):
         if self.busy:
             self.notify("Still answering: Esc stops it", severity="warning")
             return
-        self.conversation.messages.append({"role": "user", "content": message.text})
+        self.conversation.messages.append(store.message("user", message.text))
         self.save()
-        self.add_message("user", message.text)
+        self.add_message(self.conversation.messages[-1])
+        self.ask()
+
+    def ask(self) -> None:
+        """Answer the conversation's last message."""
         self.answer = Answer(colors=self.show_origin)
-        self.query_one("#conversation").mount(self.answer)
+        pane = self.query_one("#conversation")
+        pane.mount(self.answer)
+        pane.scroll_end(animate=False)
         self.busy = True
-        self.engine.submit(engine.Generate(self.conversation.chat(), self.temp, self.top_p, self.max_tokens))
+        self.engine.submit(engine.Generate(self.conversation.chat(), self.temp, self.top_p, self.max_tokens,
+                                           self.think))
 
     def on_engine(self, event) -> None:
         """An event from the engine thread, on the UI's."""
-        log = self.query_one("#conversation")
         if isinstance(event, engine.Piece) and self.answer is not None:
-            at_end = log.scroll_offset.y >= log.max_scroll_y - 2
             self.answer.add(event.text, event.from_draft)
-            if at_end:
-                log.scroll_end(animate=False)
+        elif isinstance(event, engine.Begin) and self.answer is not None:
+            self.answer.opened = event.reasoning
         elif isinstance(event, engine.Done):
             self.finish_answer(event)
+        elif isinstance(event, engine.Progress):
+            done = event.total_files and event.done_files == event.total_files
+            self.loading(f"loading {event.repo}…" if done else
+                         f"downloading {event.repo}: {_size(event.done_bytes)} of {_size(event.total_bytes)}, "
+                         f"{event.done_files} of {event.total_files} files", None if done else event)
         elif isinstance(event, engine.Status):
             self.sub_title = event.text
+            self.loading(event.text)
         elif isinstance(event, engine.Loaded):
+            self.loading(None)
             self.conversation.model, self.conversation.drafter = event.model, event.drafter
+            self.thinking_switch = event.thinking_switch
             self.sub_title = f"{event.model} · drafter: {event.drafter}"
+            if self.think is not None and not event.thinking_switch:
+                self.note("This model's chat template has no thinking switch: --think and --no-think change nothing.")
             self.save()
+            self.show_stats()
         elif isinstance(event, engine.Failed):
+            self.loading(None)
             self.sub_title = f"{self.conversation.model} · drafter: {self.conversation.drafter}"
             if self.busy:  # the answer failed: keep what it wrote, if anything
                 if self.answer is not None and self.answer.pieces:
@@ -214,8 +237,6 @@ class ChatApp(App):
                     if self.answer is not None:
                         self.answer.remove()
                     self.answer, self.busy = None, False
-                    self.conversation.messages.pop()
-                    self.save()
             self.note(event.text, "error")
 
     def finish_answer(self, done: engine.Done | None) -> None:
@@ -224,7 +245,8 @@ class ChatApp(App):
         if answer is None:
             return
         answer.finish()
-        self.conversation.messages.append({"role": "assistant", "content": answer.text})
+        reasoning, content = reasoning_and_content(answer.text, answer.opened)
+        self.conversation.messages.append(store.message("assistant", content, reasoning))
         self.save()
         if done is None:
             return
@@ -233,12 +255,13 @@ class ChatApp(App):
         self.session_tokens += done.tokens
         reason = {"stopped": " (stopped)", "length": " (max tokens)"}.get(done.finish_reason, "")
         self.last = stats.block(f"Last answer{reason}", done.metrics, done.generation_time, done.tokens)
-        self.last.append(f"  {done.prompt_tokens} prompt tokens, {done.reused_tokens} from the cache")
+        self.last.append(f"  {done.prompt_tokens} prompt tokens ({done.reused_tokens} cached)")
         self.show_stats()
 
     def show_stats(self) -> None:
         c = self.conversation
-        lines = [f"[b]{c.model}[/b]", f"drafter: {c.drafter}", f"temp {self.temp}  top-p {self.top_p}", ""]
+        think = {None: "", True: "  think on", False: "  think off"}[self.think]
+        lines = [f"[b]{c.model}[/b]", f"drafter: {c.drafter}", f"temp {self.temp}  top-p {self.top_p}{think}", ""]
         lines += self.last + [""] if self.last else []
         if self.session_tokens:
             lines += stats.block("Session", self.session, self.session_time, self.session_tokens)
@@ -250,7 +273,7 @@ class ChatApp(App):
         self.conversation, self.path = loaded, path
         self.query_one("#conversation").remove_children()
         for m in loaded.messages:
-            self.add_message(m["role"], m["content"])
+            self.add_message(m)
         self.engine.submit(engine.Forget())
 
     # --- commands ----------------------------------------------------------------
@@ -266,10 +289,20 @@ class ChatApp(App):
             self.engine.submit(engine.SetDrafter(arg))
         elif name in ("/temp", "/top-p", "/max-tokens"):
             self.set_sampling(name, arg)
+        elif name == "/think":
+            if arg not in ("on", "off"):
+                raise UserError("/think: give on or off")
+            self.think = arg == "on"
+            self.note(f"thinking {arg}" if self.thinking_switch else
+                      "This model's chat template has no thinking switch: /think changes nothing.")
         elif name == "/system":
             self.conversation.system = arg
             self.engine.submit(engine.Forget())
             self.note(f"system prompt: {arg}" if arg else "system prompt cleared")
+        elif name == "/retry":
+            self.retry()
+        elif name == "/copy":
+            self.copy(arg)
         elif name == "/colors":
             self.action_colors()
         elif name == "/clear":
@@ -307,6 +340,36 @@ class ChatApp(App):
         else:
             raise UserError(f"{name}: out of range ({arg})")
 
+    def retry(self) -> None:
+        """Answer the last user message again (at temperature 0, the same answer)."""
+        messages = self.conversation.messages
+        if self.busy:
+            raise UserError("/retry: still answering (Esc stops it)")
+        if not messages:
+            raise UserError("/retry: nothing to answer yet")
+        if messages[-1]["role"] == "assistant":
+            messages.pop()
+            answers = self.query(Answer)
+            if answers:
+                answers.last().remove()
+        self.save()
+        self.ask()
+
+    def copy(self, what: str) -> None:
+        """The last answer (`code`: its last code block) to the clipboard."""
+        if what not in ("", "code"):
+            raise UserError("/copy: give nothing (the last answer) or code (its last code block)")
+        contents = [m["content"] for m in self.conversation.messages if m["role"] == "assistant"]
+        if not contents:
+            raise UserError("/copy: no answer yet")
+        text = last_code_block(contents[-1]) if what else contents[-1]
+        if not text:
+            raise UserError("/copy code: the last answer has no code block")
+        self.copy_to_clipboard(text)  # OSC 52: most terminals
+        if sys.platform == "darwin" and shutil.which("pbcopy"):  # Terminal.app ignores OSC 52
+            subprocess.run(["pbcopy"], input=text.encode(), check=False)
+        self.notify(f"copied {len(text)} characters")
+
     # --- actions -----------------------------------------------------------------
 
     def action_stop(self) -> None:
@@ -316,13 +379,18 @@ class ChatApp(App):
     def action_colors(self) -> None:
         self.show_origin = not self.show_origin
         for answer in self.query(Answer):
-            answer.show_origin = self.show_origin
-            answer.render_answer()
+            answer.set_colors(self.show_origin)
         self.notify("colours: green = accepted draft tokens" if self.show_origin else "colours off")
+
+    def action_stats(self) -> None:
+        stats_panel = self.query_one("#stats")
+        self.stats_shown = not stats_panel.display
+        stats_panel.display = self.stats_shown
 
     async def action_quit(self) -> None:
         self.engine.stop()
         if self.answer is not None and self.answer.pieces:  # keep a partial answer
-            self.conversation.messages.append({"role": "assistant", "content": self.answer.text})
+            reasoning, content = reasoning_and_content(self.answer.text, self.answer.opened)
+            self.conversation.messages.append(store.message("assistant", content, reasoning))
         self.save()
         self.exit()

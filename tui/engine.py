@@ -20,7 +20,10 @@ from functools import partial
 from typing import Callable
 
 from mlx_spec.errors import UserError
+from mlx_spec.hub import Download, reporting
 from mlx_spec.metrics import Metrics
+
+Progress = Download  # an event: how far a download of the model or drafter has come
 
 
 # --- jobs ----------------------------------------------------------------------
@@ -43,6 +46,7 @@ class Generate:
     temp: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 512
+    think: bool | None = None  # the chat template's `enable_thinking` (None: its default)
 
 
 @dataclass
@@ -61,6 +65,14 @@ class Status:
 class Loaded:
     model: str
     drafter: str
+    thinking_switch: bool = False  # the chat template takes `enable_thinking`
+
+
+@dataclass
+class Begin:
+    """An answer starts; `reasoning`: the prompt opened a `<think>` block for it."""
+
+    reasoning: bool
 
 
 @dataclass
@@ -135,8 +147,9 @@ class Engine:
         if isinstance(job, Load):
             self._load(job)
         elif isinstance(job, SetDrafter):
-            self._set_drafter(job.spec)
-            self.emit(Loaded(self.state.model_name, self.state.drafter_spec))
+            with reporting(self.emit):
+                self._set_drafter(job.spec)
+            self._loaded()
         elif isinstance(job, Generate):
             self._generate(job)
         elif isinstance(job, Forget):
@@ -146,16 +159,24 @@ class Engine:
         from mlx_spec.models import load_model
         from mlx_spec.tokenizer import load_tokenizer
 
-        self.emit(Status(f"loading {job.model} (downloading it first if needed)…"))
-        model, path = load_model(job.model, job.revision)
+        self.emit(Status(f"loading {job.model}…"))
+        with reporting(self.emit):  # a Hub download shows its progress
+            model, path = load_model(job.model, job.revision)
         s = self.state
         s.model, s.tokenizer, s.model_name, s.revision = model, load_tokenizer(path), job.model, job.revision
         s.cache, s.context = None, []
         s.drafter, s.drafter_spec = None, "none"
         if job.drafter != "none":
             self.emit(Status(f"loading drafter {job.drafter}…"))
-            self._set_drafter(job.drafter)
-        self.emit(Loaded(job.model, s.drafter_spec))
+            with reporting(self.emit):
+                self._set_drafter(job.drafter)
+        self._loaded()
+
+    def _loaded(self) -> None:
+        from mlx_spec.tokenizer import has_thinking_switch
+
+        s = self.state
+        self.emit(Loaded(s.model_name, s.drafter_spec, has_thinking_switch(s.tokenizer)))
 
     def _set_drafter(self, spec: str) -> None:
         from mlx_spec.drafters import make_drafter
@@ -172,13 +193,13 @@ class Engine:
         from mlx_spec.drafters.base import common_prefix
         from mlx_spec.generate import Generation, stream_generate
         from mlx_spec.sampling import SamplingParams
+        from mlx_spec.tokenizer import opens_reasoning, render_chat, thinking_args
 
         s = self.state
         if s.model is None:
             raise UserError("no model is loaded")
         self.stopping.clear()
-        ids = s.tokenizer.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        prompt = render_chat(s.tokenizer, job.messages, thinking_args(job.think))
         if s.cache is None:
             s.cache, s.context = s.model.make_cache(), []
         # Keep what this prompt shares with the tokens the cache was built from.
@@ -198,6 +219,7 @@ class Engine:
 
         result = Generation(prompt_tokens=prompt)
         stopped = False
+        self.emit(Begin(opens_reasoning(s.tokenizer, prompt)))
         for piece in stream_generate(s.model, s.tokenizer, prompt, params, job.max_tokens, result, recorded):
             self.emit(Piece(piece, result.from_draft[-1]))
             if self.stopping.is_set():

@@ -8,18 +8,23 @@ import threading
 
 from mlx_spec.errors import UserError
 from mlx_spec.tui import engine, store
+from mlx_spec.tui.answer import reasoning_and_content
 
 
-def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, max_tokens: int) -> int:
+def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, max_tokens: int,
+              think: bool | None = None) -> int:
     finished = threading.Event()
     failure: list[str] = []
     answer: list[str] = []  # the pieces of the answer being written
+    opened = [False]  # the prompt opened a <think> block
 
     def emit(event) -> None:
         if isinstance(event, engine.Piece):
             answer.append(event.text)
             sys.stdout.write(event.text)
             sys.stdout.flush()
+        elif isinstance(event, engine.Begin):
+            opened[0] = event.reasoning
         elif isinstance(event, engine.Failed):
             failure.append(event.text)
             finished.set()
@@ -40,11 +45,12 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
         text = line.strip()
         if not text:
             continue
-        conversation.messages.append({"role": "user", "content": text})
+        conversation.messages.append(store.message("user", text))
         answer.clear()
-        eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens))
+        eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens, think))
         wait()
-        conversation.messages.append({"role": "assistant", "content": "".join(answer)})
+        reasoning, content = reasoning_and_content("".join(answer), opened[0])
+        conversation.messages.append(store.message("assistant", content, reasoning))
         store.save(conversation, conversation.default_path())
         sys.stdout.write("\n\n")
         sys.stdout.flush()

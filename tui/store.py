@@ -1,7 +1,9 @@
 """Conversations on disk: saved after every change, whole or not at all.
 
 A conversation is JSON: `{"model", "drafter", "system", "created", "messages":
-[{"role", "content"}, ...]}`. They live in the user's data folder
+[{"role", "content"}, ...]}`; an assistant's reasoning (a `<think>` block) is
+kept apart from its content as `reasoning_content`, which chat templates that
+think (Qwen3's) read back on the next turn. They live in the user's data folder
 (`$MLX_SPEC_HOME/conversations` when set), one file per conversation; export
 writes Markdown (`.md`) or the same JSON (`.json`).
 """
@@ -27,6 +29,11 @@ def data_dir() -> Path:
     return Path(user_data_dir("mlx-spec"))
 
 
+def message(role: str, content: str, reasoning: str = "") -> dict:
+    """One message as chat templates take it: reasoning, where there is some, apart."""
+    return {"role": role, "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+
+
 @dataclass
 class Conversation:
     model: str
@@ -38,7 +45,7 @@ class Conversation:
     def chat(self) -> list[dict]:
         """The messages as the chat template takes them, the system prompt first."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        return system + [dict(m) for m in self.messages]
 
     def default_path(self) -> Path:
         stamp = self.created.replace(":", "").replace("-", "")
@@ -59,15 +66,17 @@ def load(path: Path) -> Conversation:
     messages = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+        and isinstance(m.get("reasoning_content", ""), str)
         for m in messages
     ):
-        raise UserError(f"{path}: 'messages' must be a list of {{'role': user|assistant, 'content'}} objects")
+        raise UserError(f"{path}: 'messages' must be a list of {{'role': user|assistant, 'content'}} objects "
+                        "('reasoning_content', where there is one, a string)")
     strings = {k: data.get(k, "") for k in ("model", "drafter", "system", "created")}
     if not all(isinstance(v, str) for v in strings.values()):
         raise UserError(f"{path}: 'model', 'drafter', 'system' and 'created' must be strings")
     return Conversation(strings["model"], strings["drafter"] or "none", strings["system"],
                         strings["created"] or time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        [{"role": m["role"], "content": m["content"]} for m in messages])
+                        [message(m["role"], m["content"], m.get("reasoning_content", "")) for m in messages])
 
 
 def markdown(conversation: Conversation) -> str:
@@ -76,7 +85,10 @@ def markdown(conversation: Conversation) -> str:
     if conversation.system:
         lines += ["**System:** " + conversation.system, ""]
     for m in conversation.messages:
-        lines += [f"## {m['role'].capitalize()}", "", m["content"], ""]
+        lines += [f"## {m['role'].capitalize()}", ""]
+        if m.get("reasoning_content"):
+            lines += ["> " + line for line in m["reasoning_content"].splitlines()] + [""]
+        lines += [m["content"], ""]
     return "\n".join(lines)
 
 
