@@ -86,23 +86,23 @@ def batch_sizes(value: str) -> list[int]:
 
 
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int) -> list[dict]:
-    """Greedy throughput of B sequences decoded together (`BatchDecoder`), per
-    batch size and method, and the mean draft length the batch policy chose:
+    """Greedy throughput of B sequences decoded together (`Decoder`), per
+    batch size and method, and the mean draft length the policy chose:
     where verification stops being memory-bound, it drafts less, then not at all."""
-    from mlx_spec.batch import BatchDecoder, batchable
+    from mlx_spec.decoding import Decoder
 
     greedy = SamplingParams()
     out = []
     for B in sizes:
         for name, drafter in drafters.items():
-            if not batchable(drafter):
+            if drafter is not None and drafter.one_row and B > 1:
                 continue
             times = []
             for tokens in (8, n):  # a short warm-up round (compiling), then the measured one
-                decoder = BatchDecoder(model)
+                decoder = Decoder(model)
+                session = drafter.new_session() if drafter is not None else None  # one drafter for the batch
                 for i in range(B):
-                    decoder.add(i, prompts[i % len(prompts)], greedy, tokens,
-                                drafter.new_session() if drafter is not None else None)
+                    decoder.add(i, prompts[i % len(prompts)], greedy, tokens, session)
                 produced = drafted = rounds = 0
                 tic = time.perf_counter()
                 while decoder.rows:

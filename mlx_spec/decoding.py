@@ -1,8 +1,17 @@
-"""The decoding loop: prefill, then one step event per round.
+"""The round, written once, for a batch of one or many.
 
-Plain decoding is the baseline every drafter is measured against, and the
-reference its output must equal. Each step yields a `StepEvent`; streaming, the
-CLI, the benchmark and the chat all read these.
+    K per row      <- the policy (acceptance, measured costs)
+    drafts         <- each drafter, for all its rows in one forward
+    verification   <- one target forward over every row's draft (padded)
+    accept         <- one evaluation for the whole batch (chain/tree x greedy/sampled/typical)
+    cut            <- each row's cache keeps exactly what it accepted
+    commit         <- each drafter hears its rows' accepted tokens and features
+    events         <- one `StepEvent` per row
+
+`generate`, the chat and the benchmark run a batch of one (`speculative_steps`);
+the server runs the same rounds with more rows, joining and leaving between
+rounds. Exact: greedy output equals plain greedy decoding token for token, and
+sampled output is distributed as the target's (see `sampling.accept`).
 """
 
 from __future__ import annotations
@@ -12,22 +21,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.attention import TreeMask
-from mlx_spec.cache import KVCache, keep_cache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.cache import KVCache, cut_cache, keep_cache, trim_cache
+from mlx_spec.drafters.base import EMPTY, Draft, Drafter
 from mlx_spec.errors import UserError
-from mlx_spec.models.llama import Model
-from mlx_spec.sampling import (
-    SamplingParams,
-    accept_greedy,
-    accept_sampled,
-    accept_tree_greedy,
-    accept_tree_sampled,
-    accept_tree_typical,
-    sample,
-)
+from mlx_spec.policy import Policy
+from mlx_spec.sampling import SamplingParams, accept, sample
 
 PREFILL_STEP = 512
 
@@ -51,18 +53,11 @@ class StepEvent:
         return sum(self.from_draft)
 
 
-def prefill(
-    model: Model,
-    tokens: Sequence[int],
-    cache: list[KVCache],
-    capture: tuple[int, ...] = (),
-    consume: Callable[[int, tuple[mx.array, ...]], None] | None = None,
-) -> None:
-    """Run `tokens` through the target to fill the cache; no logits are evaluated.
-
+def prefill(model, tokens: Sequence[int], cache: list[KVCache], capture: tuple[int, ...] = (),
+            consume: Callable[[int, tuple[mx.array, ...]], None] | None = None) -> None:
+    """Run `tokens` through the target to fill a one-row cache; no logits are evaluated.
     With `capture`, `consume(end, hidden)` receives each chunk's hidden states
-    (`[1, chunk, H]` per index), `end` being where the chunk stops in `tokens`.
-    """
+    (`[1, chunk, H]` per index), `end` being where the chunk stops in `tokens`."""
     ids = mx.array(tokens)
     for start in range(0, len(tokens), PREFILL_STEP):
         _, hidden = model(ids[None, start : start + PREFILL_STEP], cache, capture=capture)
@@ -71,168 +66,219 @@ def prefill(
             consume(min(start + PREFILL_STEP, len(tokens)), hidden)
 
 
-def cached_prefix(cache: list[KVCache], prompt: Sequence[int]) -> int:
-    """How many of `prompt`'s first tokens `cache` holds: its caller keeps a
-    cache only for a prompt that extends what it holds (`trim_cache` first
-    where they part), and at least the last prompt token is run again."""
-    held = cache[0].offset
-    if held >= len(prompt):
-        raise ValueError(f"the cache holds {held} tokens, the prompt has only {len(prompt)}")
-    return held
+@dataclass
+class Row:
+    """One sequence of the batch."""
+
+    key: object
+    context: list[int]
+    params: SamplingParams
+    max_tokens: int
+    drafter: Drafter | None
+    slot: int = 0  # its row in the drafter
+    produced: int = 0
 
 
-def plain_steps(
-    model: Model,
-    prompt: Sequence[int],
-    params: SamplingParams,
-    max_tokens: int,
-    cache: list[KVCache] | None = None,
-) -> Iterator[StepEvent]:
-    """Plain decoding, one token per event.
+class Decoder:
+    """Continuous batching over one target: `add` a sequence (its prompt is read
+    alone, then it joins), `step` runs one round for every row and returns each
+    row's event; a row leaves once it has produced `max_tokens` (with
+    `keep_finished`, it stays, holding its cache for a next turn)."""
 
-    The next step is queued with `mx.async_eval` before the current token is
-    read, so host work overlaps the device's. A `cache` given may already hold
-    the prompt's first tokens (an earlier chat turn; see `cached_prefix`).
-    """
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + 1)
-    prefill(model, prompt[cached_prefix(cache, prompt) : -1], cache)
+    def __init__(self, model, k_max: int = 8, num_draft: int | None = None, acceptance: str = "exact",
+                 cache: list[KVCache] | None = None, keep_finished: bool = False):
+        if acceptance not in ("exact", "typical"):
+            raise UserError(f"--acceptance must be exact or typical, got '{acceptance}'")
+        self.model, self.acceptance, self.keep_finished = model, acceptance, keep_finished
+        self.cache = cache if cache is not None else model.make_cache(rows=0)
+        self.held = cache is not None  # a kept one-row cache the first row may continue
+        self.rows: list[Row] = []
+        self.policy = Policy(k_max, num_draft)
+        self.queued: mx.array | None = None  # plain rounds: the next tokens, already in the works
 
-    def step(tokens: mx.array) -> mx.array:
-        logits, _ = model(tokens[None], cache)  # [1, S, V]
-        return sample(logits[:, -1, :], params)  # [1]
+    @property
+    def done(self) -> bool:
+        return all(r.produced >= r.max_tokens for r in self.rows)
 
-    tic = time.perf_counter()
-    y = step(mx.array(prompt[-1:]))
-    mx.async_eval(y)
-    for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            next_y = step(y)
-            mx.async_eval(next_y)
-        token = y.item()
+    def add(self, key, prompt: list[int], params: SamplingParams, max_tokens: int,
+            drafter: Drafter | None = None) -> None:
+        """A new row. With a kept cache, the first row keeps as much of it as the
+        drafter's own state still matches (a chat's earlier turns). The first row
+        of a drafter that holds one row already continues that row (a session)."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if drafter is not None and drafter.one_row and self.rows:
+            raise UserError(f"the {drafter.kind} drafter drafts into the target's own cache: "
+                            "it decodes one sequence at a time, not a batch")
+        self._unqueue()
+        single, held = (self.cache, self.cache[0].lengths[0]) if self.held else (self.model.make_cache(), 0)
+        if held >= len(prompt):
+            raise ValueError(f"the cache holds {held} tokens, the prompt has only {len(prompt)}")
+        context = list(prompt)
+        slot, capture, consume = 0, (), None
+        if drafter is not None:
+            users = sum(r.drafter is drafter for r in self.rows)
+            if not (users == 0 and drafter.rows == 1):
+                if drafter.rows != users:
+                    raise ValueError("a drafter's rows belong to one decoder")
+                drafter.add()
+            slot = drafter.rows - 1
+            drafter.bind(single)
+            kept = drafter.restart(slot, context, held)
+            trim_cache(single, held - kept)
+            held, capture = kept, drafter.capture
+            if capture:  # a drafter reading the target's features gets the prompt's as they are computed
+                def consume(end, hidden):
+                    drafter.commit(slot, context[: held + end + 1], hidden)
+        prefill(self.model, prompt[held:-1], single, capture, consume)
+        if not self.rows:
+            self.cache = single  # the first row's cache is the batch's
+        elif single is not self.cache:
+            for batch, one in zip(self.cache, single):
+                batch.extend(one)
+        self.held = False
+        if drafter is not None:
+            drafter.bind(self.cache)
+        self.rows.append(Row(key, context, params, max_tokens, drafter, slot))
+
+    def remove(self, key) -> None:
+        self._unqueue()
+        b = next(i for i, r in enumerate(self.rows) if r.key == key)
+        row = self.rows.pop(b)
+        for c in self.cache:
+            c.remove(b)
+        if row.drafter is not None:
+            row.drafter.remove(row.slot)
+            for r in self.rows:
+                if r.drafter is row.drafter and r.slot > row.slot:
+                    r.slot -= 1
+        self.policy.forget(key)
+
+    def step(self) -> dict[object, StepEvent]:
+        """One round for every row still decoding."""
+        if all(r.drafter is None for r in self.rows):
+            return self._plain_step()
+        rows = self.rows
+        ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
+                                [max(r.max_tokens - r.produced - 1, 0) for r in rows])  # a round adds one token
+        starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
+        tic = time.perf_counter()
+        drafts: list[Draft] = [EMPTY()] * len(rows)
+        draft_times = {}
+        for drafter in {id(r.drafter): r.drafter for r in rows if r.drafter is not None}.values():
+            t0 = time.perf_counter()
+            members = sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is drafter)
+            proposed = drafter.propose([rows[b].context for _, b in members], [ks[b] for _, b in members],
+                                       [rows[b].params for _, b in members])
+            for (_, b), draft in zip(members, proposed):
+                drafts[b] = _depth_limited(draft, ks[b]) if draft.parents is not None else draft
+            draft_times[id(drafter)] = (time.perf_counter() - t0, max(ks[b] for _, b in members))
+        mid = time.perf_counter()
+        capture = tuple(sorted({i for r in rows if r.drafter is not None for i in r.drafter.capture}))
+        inputs, positions, mask = self._inputs(drafts, starts)
+        one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
+        if one is not None and positions is None:  # self-speculation may reuse its own forward
+            logits, hidden = one.verify_forward(self.model, inputs, self.cache, capture)
+        else:
+            logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
+        verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
+        for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
+            if draft.parents is None:
+                cut_cache(self.cache, b, starts[b] + 1 + len(path))
+            else:
+                keep_cache(self.cache, [starts[b] + 1 + i for i in path], starts[b] + 1, b)
         toc = time.perf_counter()
-        yield StepEvent([token], [False], verify_time=toc - tic)
-        tic = toc
-        if n % 256 == 255:
-            mx.clear_cache()
-        if n + 1 < max_tokens:
-            y = next_y
+        events = {}
+        for b, (r, draft, (path, token)) in enumerate(zip(rows, drafts, verdicts)):
+            drafted = draft.tokens.tolist()
+            tokens = [drafted[i] for i in path] + [token]
+            r.context.extend(tokens)
+            r.produced += len(tokens)
+            if r.drafter is not None:
+                sel = mx.array([0] + [i + 1 for i in path])
+                r.drafter.commit(r.slot, r.context,
+                                 tuple(hidden[capture.index(i)][b : b + 1, sel] for i in r.drafter.capture))
+            depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
+            events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted,
+                                      draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth)
+        depths = [e.depth for e in events.values()]
+        self.policy.record([r.key for r in rows], depths, [e.accepted for e in events.values()],
+                           inputs.shape[1], sum(len(e.tokens) for e in events.values()),
+                           time.perf_counter() - tic, toc - mid, draft_times)
+        self._finish()
+        return events
 
+    def _inputs(self, drafts: list[Draft], starts: list[int]):
+        """Tokens `[B, S]` of one verification (each row's pending token and draft,
+        padded), with positions `[B, S]` and a mask `[B, 1, S, L + S]` where a row
+        drafted a tree (each row sees its own cache and its draft's ancestry);
+        chains need neither (the cache's own mask and per-row offsets)."""
+        S = 1 + max(len(d) for d in drafts)
+        tokens = mx.concatenate([mx.concatenate([mx.array(r.context[-1:], dtype=mx.int32), d.tokens,
+                                                 mx.zeros((S - 1 - len(d),), dtype=mx.int32)])[None]
+                                 for r, d in zip(self.rows, drafts)])
+        if all(d.parents is None for d in drafts):
+            return tokens, None, None
+        if len(drafts) == 1:  # one tree: its parents, for the tree-attention kernel
+            parents = drafts[0].parents
+            positions = mx.array([0] + tree.depths(parents)) + starts[0]
+            return tokens, positions[None], TreeMask((-1, *(p + 1 for p in parents)), starts[0])
+        positions = np.zeros((len(drafts), S), dtype=np.int32)
+        mask = np.zeros((len(drafts), 1, S, max(starts) + S), dtype=bool)
+        for b, (d, L) in enumerate(zip(drafts, starts)):
+            n = len(d)
+            parents = d.parents if d.parents is not None else list(range(-1, n - 1))
+            positions[b, : n + 1] = L + np.array([0] + tree.depths(parents))
+            mask[b, 0, :, :L] = True
+            mask[b, 0, : n + 1, L : L + n + 1] = tree.ancestor_matrix([-1, *(p + 1 for p in parents)])
+            mask[b, 0, n + 1 :, L] = True  # padding queries: anything, their outputs are dropped
+        return tokens, mx.array(positions), mx.array(mask)
 
-def ema(old: float | None, new: float, decay: float) -> float:
-    """A running mean that keeps `decay` of the past."""
-    return new if old is None else decay * old + (1 - decay) * new
+    def _plain_step(self) -> dict[object, StepEvent]:
+        """A round of plain decoding for every row. The next round is queued with
+        `mx.async_eval` before this one's tokens are read, so the host builds it
+        while the device computes."""
+        tic = time.perf_counter()
+        y = self.queued if self.queued is not None else self._plain_forward(
+            mx.array([[r.context[-1]] for r in self.rows]))
+        self.queued = None
+        if all(r.max_tokens - r.produced > 1 for r in self.rows):
+            self.queued = self._plain_forward(y[:, None])
+            mx.async_eval(self.queued)
+        tokens = y.tolist()
+        toc = time.perf_counter()
+        events = {}
+        for r, token in zip(self.rows, tokens):
+            r.context.append(token)
+            r.produced += 1
+            events[r.key] = StepEvent([token], [False], verify_time=toc - tic)
+        self._finish()
+        return events
 
+    def _plain_forward(self, tokens: mx.array) -> mx.array:
+        """The next token of every row `[B]` after `tokens` `[B, 1]` (lazy)."""
+        logits, _ = self.model(tokens, self.cache)  # [B, 1, V]
+        groups: dict[SamplingParams, list[int]] = {}
+        for b, r in enumerate(self.rows):
+            groups.setdefault(r.params, []).append(b)
+        if len(groups) == 1:
+            return sample(logits[:, -1], self.rows[0].params)
+        y = [None] * len(self.rows)
+        for p, members in groups.items():
+            for b, t in zip(members, sample(logits[mx.array(members), -1], p)):
+                y[b] = t
+        return mx.stack(y)
 
-class DraftLength:
-    """Chooses K each round from measured acceptance and costs.
+    def _unqueue(self) -> None:
+        """Rows change: a queued plain round no longer fits the batch."""
+        if self.queued is not None:
+            self.queued = None
+            trim_cache(self.cache, 1)
 
-    With per-token acceptance alpha, a round of K drafts yields
-    E(K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al.) and costs
-    K drafted tokens plus one verification of K + 1 tokens. The seed's formula
-    takes the verification as flat in K (memory-bound decoding); on a CPU, or
-    for a small target, it is not, so we keep a running time per verified
-    length and fit a line through them. We pick the K in 0..k_max with the
-    least time per token; K = 0 is plain decoding, probed again now and then in
-    case acceptance has changed.
-    """
-
-    PROBE_EVERY = 4  # plain rounds between two probes
-    PROBE_K = 2
-    DECAY = 0.8  # weight of the past in the running estimates
-
-    def __init__(self, k_max: int, adaptive: bool):
-        self.k_max, self.adaptive = k_max, adaptive
-        self.accepted, self.reached = 0.8, 1.0  # prior: alpha = 0.8, weak
-        self.draft_cost: float | None = None  # seconds per drafted token
-        self.verify_cost: dict[int, float] = {}  # K -> seconds per verification of K + 1 tokens
-        self.plain_rounds = 0
-        self.seen: set[int] = set()  # lengths verified at least once
-        self.last_k = -1
-
-    def verify_time(self, k: int) -> float:
-        """Measured, or from a line through the measured lengths (flat with one)."""
-        if k in self.verify_cost:
-            return self.verify_cost[k]
-        ks = list(self.verify_cost)
-        ts = [self.verify_cost[j] for j in ks]
-        if len(ks) == 1:
-            return ts[0]
-        mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
-        slope = sum((a - mk) * (b - mt) for a, b in zip(ks, ts)) / sum((a - mk) ** 2 for a in ks)
-        return max(mt + max(slope, 0.0) * (k - mk), min(ts))
-
-    def time_per_token(self, k: int) -> float:
-        alpha = min(self.accepted / self.reached, 0.999)
-        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return (k * (self.draft_cost or 0.0) + self.verify_time(k)) / tokens
-
-    def next(self) -> int:
-        if not self.adaptive or not self.verify_cost:
-            return self.k_max
-        k = min(range(self.k_max + 1), key=self.time_per_token)
-        if k == 0:
-            self.plain_rounds += 1
-            if self.plain_rounds % self.PROBE_EVERY == 0:
-                return min(self.PROBE_K, self.k_max)
-        return k
-
-    def update(self, k: int, n: int, draft_time: float, verify_time: float) -> None:
-        d = self.DECAY
-        # A length's first round also traces and compiles its graphs: not a cost to learn from.
-        first = k not in self.seen
-        self.seen.add(k)
-        # After plain rounds, a drafter first catches up on the tokens it missed.
-        catching_up = self.last_k == 0
-        self.last_k = k
-        if not first:
-            self.verify_cost[k] = ema(self.verify_cost.get(k), verify_time, d)
-        if k == 0:
-            return
-        if not (first or catching_up):
-            self.draft_cost = ema(self.draft_cost, draft_time / k, d)
-        # Position i is reached when the drafts before it were all accepted.
-        self.accepted = d * self.accepted + n
-        self.reached = d * self.reached + n + (n < k)
-
-
-def _verify_chain(model, cache, context, draft, params, drafter):
-    """One target forward over [last context token] + chain -> (accepted node indices, next token, hidden)."""
-    k = len(draft)
-    inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
-    logits, hidden = drafter.verify_forward(model, inputs[None], cache)  # [1, K+1, V]
-    logits = logits[0]
-    if k == 0:
-        n, token = mx.array(0), sample(logits[-1], params)
-    elif params.greedy:
-        n, token = accept_greedy(logits, draft.tokens)
-    else:
-        n, token = accept_sampled(logits, draft.tokens, draft.log_probs, params)
-    mx.eval(n, token)
-    n = n.item()
-    trim_cache(cache, k - n)
-    return list(range(n)), token.item(), hidden
-
-
-def _verify_tree(model, cache, context, draft, params, capture, acceptance):
-    """One target forward over [last context token] + tree -> (accepted path, next token, hidden)."""
-    parents = draft.parents
-    start = cache[0].offset  # the last context token's slot
-    inputs = mx.concatenate([mx.array(context[-1:], dtype=mx.int32), draft.tokens])
-    positions = mx.array([0] + tree.depths(parents)) + start
-    mask = TreeMask((-1, *(p + 1 for p in parents)), start)
-    logits, hidden = model(inputs[None], cache, positions=positions[None], mask=mask, capture=capture)
-    logits = logits[0]  # [N+1, V]
-    tokens = draft.tokens.tolist()
-    if params.greedy:
-        path, token = accept_tree_greedy(logits, tokens, parents)
-    elif acceptance == "typical":
-        path, token = accept_tree_typical(logits, tokens, parents, params)
-    else:
-        path, token = accept_tree_sampled(logits, tokens, parents, draft.log_probs, params)
-    keep_cache(cache, [start + 1 + i for i in path], start + 1)
-    return path, token, hidden
+    def _finish(self) -> None:
+        if not self.keep_finished:
+            for r in [r for r in self.rows if r.produced >= r.max_tokens]:
+                self.remove(r.key)
 
 
 def _depth_limited(draft: Draft, k: int) -> Draft:
@@ -245,61 +291,21 @@ def _depth_limited(draft: Draft, k: int) -> Draft:
     return Draft(draft.tokens[idx], lp, tree.subtree(draft.parents, keep))
 
 
-def speculative_steps(
-    model: Model,
-    prompt: Sequence[int],
-    params: SamplingParams,
-    max_tokens: int,
-    drafter: Drafter,
-    num_draft: int | None = None,
-    k_max: int = 8,
-    cache: list[KVCache] | None = None,
-    acceptance: str = "exact",
-) -> Iterator[StepEvent]:
-    """Draft -> one target forward over the draft -> accept -> commit.
+def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
+                      drafter: Drafter | None = None, num_draft: int | None = None, k_max: int = 8,
+                      cache: list[KVCache] | None = None, acceptance: str = "exact") -> Iterator[StepEvent]:
+    """One sequence: the batch of one, an event per round. `num_draft` fixes K
+    (a tree's depth); otherwise K adapts (`policy.Policy`). A `cache` given may
+    already hold the prompt's first tokens (an earlier chat turn): as much is
+    kept as the drafter's own state still matches. `acceptance="typical"` is
+    Medusa's lossy rule for trees at temperature > 0."""
+    decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True)
+    decoder.add(0, list(prompt), params, max_tokens, drafter)
+    while not decoder.done:
+        yield decoder.step()[0]
 
-    Exact: greedy output equals plain greedy decoding token for token, and
-    sampled output is distributed as the target's (see `accept_sampled` and
-    `accept_tree_sampled`). `num_draft` fixes K (a tree's depth); otherwise a
-    costly drafter's K adapts (`DraftLength`). `acceptance="typical"` is
-    Medusa's lossy rule for trees at temperature > 0.
-    """
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if acceptance not in ("exact", "typical"):
-        raise UserError(f"--acceptance must be exact or typical, got '{acceptance}'")
-    k_max = num_draft or k_max
-    cache = cache if cache is not None else model.make_cache(len(prompt) + max_tokens + k_max + 1)
-    context = list(prompt)
-    drafter.bind(cache)
-    # An earlier turn's K/V stays as far as the drafter's own state still matches it.
-    held = cached_prefix(cache, prompt)
-    kept = drafter.reset(context, held)
-    trim_cache(cache, held - kept)
-    # A drafter reading the target's features gets the prompt's as they are computed.
-    consume = (lambda end, hidden: drafter.commit(context[: kept + end + 1], hidden)) if drafter.capture else None
-    prefill(model, prompt[kept:-1], cache, drafter.capture, consume)
-    length = DraftLength(k_max, adaptive=num_draft is None and drafter.costly)
-    produced = 0
-    while produced < max_tokens:
-        k = min(length.next(), max_tokens - produced - 1)  # the round adds one target token
-        tic = time.perf_counter()
-        draft = drafter.propose(context, k, params) if k > 0 else Draft(mx.array([], dtype=mx.int32))
-        if draft.parents is not None:
-            draft = _depth_limited(draft, k)
-        mid = time.perf_counter()
-        if draft.parents is None:
-            path, token, hidden = _verify_chain(model, cache, context, draft, params, drafter)
-        else:
-            path, token, hidden = _verify_tree(model, cache, context, draft, params, drafter.capture, acceptance)
-        toc = time.perf_counter()
-        drafted = draft.tokens.tolist()
-        tokens = [drafted[i] for i in path] + [token]
-        context.extend(tokens)
-        rows = mx.array([0] + [i + 1 for i in path])
-        drafter.commit(context, tuple(h[:, rows] for h in hidden))
-        n = len(path)
-        depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
-        length.update(len(draft) if depth is None else depth, n, mid - tic, toc - mid)
-        produced += len(tokens)
-        yield StepEvent(tokens, [True] * n + [False], drafted, mid - tic, toc - mid, depth)
+
+def plain_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
+                cache: list[KVCache] | None = None) -> Iterator[StepEvent]:
+    """Plain decoding of one sequence, one token per event (the reference every drafter must equal)."""
+    return speculative_steps(model, prompt, params, max_tokens, cache=cache)

@@ -141,15 +141,14 @@ def accept_sampled(
 
 
 # Acceptance rules for a tree of N draft nodes verified in one target forward
-# (`mlx_spec.tree`). `logits` [N+1, V]: row 0 scores the children of the root
-# (the pending token), row i + 1 those of node i. They walk down from the root
-# on the host and return (path, next): the accepted nodes, root to leaf, and
-# the token that follows them.
+# (`mlx_spec.tree`). Row 0 of the target's scores is for the children of the
+# root (the pending token), row i + 1 for those of node i. They walk down from
+# the root on the host, over arrays already evaluated, and return (path,
+# next): the accepted nodes, root to leaf, and the token that follows them.
 
 
-def accept_tree_greedy(logits: mx.array, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """Follow, from the root, the child equal to the target's argmax."""
-    target = mx.argmax(logits, axis=-1).tolist()  # [N+1]
+def accept_tree_greedy(target: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Follow, from the root, the child equal to the target's argmax (`target` [N+1])."""
     kids = children(parents)
     path, node = [], -1
     while True:
@@ -166,34 +165,27 @@ def _draw(dist: np.ndarray, u: float) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(dist) - 1))
 
 
-def accept_tree_sampled(
-    logits: mx.array,
-    tokens: list[int],
-    parents: list[int],
-    draft_log_probs: mx.array | None,
-    params: SamplingParams,
-) -> tuple[list[int], int]:
+def accept_tree_sampled(q: np.ndarray, u: list[float], tokens: list[int], parents: list[int],
+                        draft_log_probs: np.ndarray | None) -> tuple[list[int], int]:
     """Recursive rejection sampling over siblings (SpecInfer, Sequoia): exact.
 
     At a node whose children x_1, x_2, ... were drawn from p_1, p_2, ...
-    (`draft_log_probs`, each given the siblings before it; None: one-hot, a
-    deterministic drafter), start from r = q, the target's distribution there.
-    Child x_i is kept with probability min(1, r(x_i) / p_i(x_i)), and the walk
-    moves into it; on rejection r becomes the normalised max(0, r - p_i). When
-    every child is rejected the token is drawn from r. Each trial returns a
-    draw from r, so the walk draws each token from q.
+    (`draft_log_probs` [N, V], each given the siblings before it; None:
+    one-hot, a deterministic drafter), start from r = q, the target's
+    distribution there (`q` [N+1, V]). Child x_i is kept with probability
+    min(1, r(x_i) / p_i(x_i)), and the walk moves into it; on rejection r
+    becomes the normalised max(0, r - p_i). When every child is rejected the
+    token is drawn from r. Each trial returns a draw from r, so the walk draws
+    each token from q. `u`: one uniform per trial and one for the final draw.
     """
-    q = mx.exp(log_probs(logits, params))  # [N+1, V]
-    u = mx.random.uniform(shape=(len(tokens) + 1,))  # one per trial, one for the final draw
-    mx.eval(q, u)
-    u = u.tolist()
+    u = list(u)
     kids = children(parents)
     path, node = [], -1
     while True:
         r = np.array(q[node + 1], dtype=np.float64)
         for c in kids[node]:
             x = tokens[c]
-            p = np.exp(np.array(draft_log_probs[c], dtype=np.float64)) if draft_log_probs is not None else None
+            p = np.exp(draft_log_probs[c].astype(np.float64)) if draft_log_probs is not None else None
             p_x = 1.0 if p is None else p[x]
             if u.pop() * p_x < r[x]:
                 path.append(c)
@@ -210,27 +202,11 @@ def accept_tree_sampled(
             return path, _draw(r, u.pop())
 
 
-def accept_tree_typical(
-    logits: mx.array,
-    tokens: list[int],
-    parents: list[int],
-    params: SamplingParams,
-    threshold: float = 0.09,
-    alpha: float = 0.3,
-) -> tuple[list[int], int]:
-    """Medusa's typical acceptance: NOT distribution-preserving.
-
-    A node is acceptable when the target gives it probability above
-    min(threshold, alpha * exp(-entropy)); the longest acceptable path wins and
-    the next token is sampled from the target after it. Faster at high
-    temperature, but the output is no longer distributed as the target's.
-    """
-    lp = log_probs(logits, params)  # [N+1, V]
-    q = mx.exp(lp)
-    entropy = -(q * mx.where(q > 0, lp, 0.0)).sum(axis=-1)  # [N+1]
-    bar = mx.minimum(threshold, alpha * mx.exp(-entropy))
-    q_x = mx.take_along_axis(q[mx.array(parents) + 1], mx.array(tokens)[:, None], axis=-1)[:, 0]  # [N]
-    ok = (q_x > bar[mx.array(parents) + 1]).tolist()
+def accept_tree_typical(q: np.ndarray, ok: list[bool], samples: list[int], tokens: list[int],
+                        parents: list[int]) -> tuple[list[int], int]:
+    """Medusa's typical acceptance: NOT distribution-preserving. `ok[i]`: node i
+    is acceptable (see `typical_ok`); the longest acceptable path wins, and the
+    next token is the one `samples` drew after its last node."""
     best: list[int] = []
     kids = children(parents)
     stack = [(c, [c]) for c in reversed(kids[-1]) if ok[c]]
@@ -239,5 +215,65 @@ def accept_tree_typical(
         if len(path) > len(best):
             best = path
         stack.extend((c, path + [c]) for c in reversed(kids[node]) if ok[c])
-    last = best[-1] + 1 if best else 0
-    return best, sample(logits[last], params).item()
+    return best, samples[best[-1] + 1 if best else 0]
+
+
+def typical_ok(logits: mx.array, tokens: mx.array, parents: list[int], params: SamplingParams,
+               threshold: float = 0.09, alpha: float = 0.3) -> mx.array:
+    """Medusa's bar: a node is acceptable when the target gives it probability
+    above min(threshold, alpha * exp(-entropy)) at its parent. `[N]` bool."""
+    lp = log_probs(logits, params)  # [N+1, V]
+    q = mx.exp(lp)
+    entropy = -(q * mx.where(q > 0, lp, 0.0)).sum(axis=-1)  # [N+1]
+    bar = mx.minimum(threshold, alpha * mx.exp(-entropy))
+    at = mx.array(parents) + 1
+    q_x = mx.take_along_axis(q[at], tokens[:, None], axis=-1)[:, 0]  # [N]
+    return q_x > bar[at]
+
+
+def accept(logits: mx.array, drafts: list, params: list[SamplingParams], rule: str = "exact"
+           ) -> list[tuple[list[int], int]]:
+    """Every row's verdict on its draft, from one verification: `logits` `[B, S, V]`,
+    row b's scores at its pending token and at each of its draft's nodes (then
+    padding). Chains and trees, greedy, sampled (exact) or typical (Medusa's
+    lossy rule, trees only): each row's arrays are built lazily and evaluated
+    together, once for the batch; tree walks then run on the host. Returns, per
+    row, the accepted draft nodes (in order) and the token that follows them."""
+    lazy, host = [], []
+    for b, (draft, p) in enumerate(zip(drafts, params)):
+        n = len(draft)
+        scores = logits[b, : n + 1]  # [n+1, V]
+        if n == 0:
+            lazy.append(sample(scores[-1], p))
+        elif draft.parents is None and p.greedy:
+            lazy.append(mx.stack(accept_greedy(scores, draft.tokens)))
+        elif draft.parents is None:
+            lazy.append(mx.stack(accept_sampled(scores, draft.tokens, draft.log_probs, p)))
+        elif p.greedy:
+            lazy.append(mx.argmax(scores, axis=-1))
+        elif rule == "typical":
+            lazy.append([mx.exp(log_probs(scores, p)), typical_ok(scores, draft.tokens, draft.parents, p),
+                         sample(scores, p)])
+        else:
+            lazy.append([mx.exp(log_probs(scores, p)), mx.random.uniform(shape=(n + 1,))]
+                        + ([draft.log_probs] if draft.log_probs is not None else []))
+    mx.eval(lazy)
+    for draft, p, out in zip(drafts, params, lazy):
+        n = len(draft)
+        if n == 0:
+            host.append(([], out.item()))
+        elif draft.parents is None:
+            k, token = out.tolist()
+            host.append((list(range(k)), token))
+        else:
+            tokens = draft.tokens.tolist()
+            if p.greedy:
+                host.append(accept_tree_greedy(out.tolist(), tokens, draft.parents))
+            elif rule == "typical":
+                q, ok, samples = out
+                host.append(accept_tree_typical(np.array(q), ok.tolist(), samples.tolist(), tokens, draft.parents))
+            else:
+                q, u, *lp = out
+                host.append(accept_tree_sampled(np.array(q), u.tolist(), tokens, draft.parents,
+                                                np.array(lp[0]) if lp else None))
+    return host

@@ -7,7 +7,7 @@ Request fields: `temperature`, `top_p`, `max_tokens`, `stop`, `seed`,
 several. Responses carry `usage` and, in `mlx_spec`, how the drafter did.
 
 HTTP requests are handled on threads; every MLX call runs on one engine thread
-that owns the model and a `BatchDecoder`: requests join the batch between
+that owns the model and a `Decoder`: requests join the batch between
 rounds and leave as they finish (continuous batching), each row with its own
 drafter session. The waiting queue is bounded (503 when full) and each request
 has a deadline (`--timeout`), after which it ends with what it has
@@ -162,12 +162,12 @@ class Engine:
     """The one thread that runs MLX: admits requests, steps the batch, answers."""
 
     def __init__(self, model, tokenizer, drafter, max_batch: int, max_queue: int):
-        from mlx_spec.batch import BatchDecoder
+        from mlx_spec.decoding import Decoder
 
-        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter  # one drafter: a row per request
         self.max_batch = max_batch
         self.waiting: queue.Queue = queue.Queue(max_queue)
-        self.decoder = BatchDecoder(model)
+        self.decoder = Decoder(model)
         self.live: dict[str, Live] = {}
         threading.Thread(target=self._loop, name="mlx-engine", daemon=True).start()
 
@@ -185,8 +185,7 @@ class Engine:
                 return
             if request.seed is not None:
                 mx.random.seed(request.seed)
-            drafter = self.drafter.new_session() if self.drafter is not None else None
-            self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, drafter)
+            self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, self.drafter)
             self.live[request.id] = Live(request, self.tokenizer)
 
     def _end(self, key: str, reason: str, timed_out: bool = False) -> None:
@@ -216,6 +215,7 @@ class Engine:
                     live = self.live.pop(key)
                     live.request.out.put(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
                 self.decoder = type(self.decoder)(self.model)
+                self.drafter = self.drafter.new_session() if self.drafter is not None else None
 
 
 def make_handler(engine: Engine, model_name: str, tokenizer, context: int, max_tokens: int, timeout: float):
@@ -346,7 +346,6 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None) -> None:
     """Load the model and drafter, then serve until interrupted."""
-    from mlx_spec.batch import batchable
     from mlx_spec.drafters import make_drafter
     from mlx_spec.models import load_model
     from mlx_spec.tokenizer import load_tokenizer
@@ -354,9 +353,9 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
     model, path = load_model(model_name, revision)
     tokenizer = load_tokenizer(path)
     drafter = make_drafter(drafter_spec, model, tokenizer, revision, target_source=model_name)
-    if not batchable(drafter):
-        raise UserError(f"--drafter {drafter_spec}: self-speculation verifies with its own forward and is not "
-                        "batched; serve another drafter")
+    if drafter is not None and drafter.one_row:
+        raise UserError(f"--drafter {drafter_spec}: it drafts into the target's own cache and decodes one "
+                        "sequence at a time; serve another drafter")
     engine = Engine(model, tokenizer, drafter, max_batch, max_queue)
     context = model.args.max_position_embeddings
     handler = make_handler(engine, model_name, tokenizer, context, max_tokens, timeout)

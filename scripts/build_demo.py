@@ -15,7 +15,7 @@ source (the one corpus every machine with Python has):
    on the other core, a 2-layer student on the labels.
 3. self-distillation data: the target answers 3000 prompts like the
    benchmark's (chat requests, functions' signatures and docstrings, windows
-   of code), greedily and a quarter sampled, batched (`BatchDecoder`).
+   of code), greedily and a quarter sampled, batched (`Decoder`).
 4. every drafter, with `mlx-spec` commands against the target, two at a
    time, on the target's own answers: the student distilled from it
    (`mlx-spec distill`; the same student trained as long on the corpus's

@@ -64,13 +64,13 @@ def later_turns_are_exact(target, session, prompt, max_tokens=12) -> list[int]:
     cache = target.make_cache()
     kept = []
     if session is not None:
-        reset = session.reset
+        restart = session.restart
 
-        def spy(p, cached=0):
-            kept.append(reset(p, cached))
+        def spy(b, p, cached=0):
+            kept.append(restart(b, p, cached))
             return kept[-1]
 
-        session.reset = spy
+        session.restart = spy
 
     def run(p, cache=None):
         if session is None or cache is None:

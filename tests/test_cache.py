@@ -1,4 +1,5 @@
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_spec.cache import KVCache
@@ -23,13 +24,12 @@ def test_update_returns_all_valid_entries():
     assert v[0, 1, :, 2].tolist() == [0, -1, -2, -3, -4]
 
 
-def test_preallocated_then_grows_keeping_contents():
-    c = KVCache(capacity=4, step=4)
+def test_grows_in_steps_keeping_contents():
+    c = KVCache(step=4)
     c.update_and_fetch(*kv(3))
-    first = c.keys
-    assert first.shape[2] == 4
-    c.update_and_fetch(*kv(3, 3))  # past capacity
-    assert c.capacity >= 6 and c.keys.shape[2] == c.capacity
+    assert c.keys.shape[2] == 4  # one step, not the whole generation up front
+    c.update_and_fetch(*kv(3, 3))  # past it
+    assert c.keys.shape[2] == 8
     assert slots(c) == [0, 1, 2, 3, 4, 5]
 
 
@@ -67,3 +67,59 @@ def test_rolling_back_what_is_not_there_raises():
     with pytest.raises(CacheError):
         c.keep([0], start=1)
     assert c.offset == 2
+
+
+def rows_of_kv(lengths, start=0, S=None):
+    """Per-row keys `[B, 2, S, 3]` numbered from `start`, row b offset by 1000 b."""
+    S = S or max(lengths)
+    x = mx.arange(start, start + S, dtype=mx.float32)[None, :] + 1000 * mx.arange(len(lengths))[:, None]
+    x = mx.broadcast_to(x[:, None, :, None], (len(lengths), 2, S, 3))
+    return x, -x
+
+
+def row_slots(cache, b):
+    return cache.keys[b, 0, : cache.lengths[b], 0].tolist()
+
+
+def joined(*lengths) -> KVCache:
+    """A batch of rows that joined one by one, each with its prompt read alone."""
+    c = KVCache(rows=0)
+    for n in lengths:
+        one = KVCache()
+        one.update_and_fetch(*kv(n))
+        c.extend(one)
+    return c
+
+
+def test_rows_of_different_lengths_write_in_one_go_and_roll_back_alone():
+    c = joined(3, 9, 2)  # a longer prompt grows every row
+    assert c.keys.shape[:2] == (3, 2) and c.keys.shape[2] >= 9 and c.lengths == [3, 9, 2] and c.offset.tolist() == [3, 9, 2]
+    k, v = c.update_and_fetch(*rows_of_kv([2, 2, 2], start=50))  # each row at its own length
+    assert c.lengths == [5, 11, 4] and k.shape[2] == 11
+    assert row_slots(c, 0) == [0, 1, 2, 50, 51] and row_slots(c, 2) == [0, 1, 2050, 2051]
+    assert row_slots(c, 1)[-3:] == [8, 1050, 1051]
+    c.cut(0, 4)  # row 0 accepted one of its two
+    assert c.lengths == [4, 11, 4]
+    with pytest.raises(CacheError):
+        c.cut(1, 12)  # more than it holds
+    c.remove(1)
+    assert c.lengths == [4, 4] and c.aligned and c.offset == 4
+    assert row_slots(c, 1) == [0, 1, 2050, 2051]
+
+
+def test_a_row_keeps_its_accepted_tree_path():
+    c = joined(2, 4)
+    c.update_and_fetch(*rows_of_kv([3, 3], start=100))
+    c.keep([3, 4], start=2, b=0)  # row 0: nodes 1 and 2 of its tree
+    assert row_slots(c, 0) == [0, 1, 101, 102] and row_slots(c, 1) == [0, 1, 2, 3, 1100, 1101, 1102]
+    with pytest.raises(CacheError):
+        c.keep([7], start=4, b=0)
+
+
+def test_the_mask_lets_each_row_see_its_own_cache_and_its_new_tokens_causally():
+    c = joined(1, 3)
+    m = np.array(c.make_mask(2))[:, 0]  # [B, 2, 3 + 2]: row b's new tokens go at its own length
+    assert m[0].tolist() == [[True, True, False, False, False], [True, True, True, False, False]]
+    assert m[1].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    c.cut(0, 1), c.cut(1, 1)
+    assert c.make_mask(3) == "causal" and c.make_mask(1) is None  # aligned rows need no array

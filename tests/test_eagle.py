@@ -63,8 +63,8 @@ def test_draft_extend_keeps_the_drafters_cache_exact(target):
     prompt = PROMPTS[1]
     out = tokens_of(speculative_steps(target, prompt, GREEDY, 20, drafter, num_draft=3))
     context = prompt + out
-    drafter.propose(context, 1, GREEDY)  # extends over the last round's features
-    n = drafter.committed
+    drafter.propose([context], [1], [GREEDY])  # extends over the last round's features
+    n = drafter.committed[0]
     assert n == len(context) - 1
     _, hidden = target(mx.array([context]), capture=drafter.capture)
     f = mx.concatenate(hidden, axis=-1)[:, :n]
@@ -75,7 +75,7 @@ def test_draft_extend_keeps_the_drafters_cache_exact(target):
     ref_cache = KVCache()
     net(f, target.model.embed_tokens(mx.array([context[1 : n + 1]])), ref_cache, mask="causal")
     assert mx.abs(keys - ref_cache.keys[..., :n, :]).max().item() < 1e-5
-    assert mx.abs(drafter.ahead[0, -1] - fresh[0, -1]).max().item() < 1e-5
+    assert mx.abs(drafter.ahead[0] - fresh[0, -1]).max().item() < 1e-5
 
 
 @pytest.mark.parametrize("version,budget", [(1, None), (3, None), (3, 10)])

@@ -57,7 +57,8 @@ def test_choose_exit_and_flag(deep):
     E = choose_exit(deep, PROMPTS[1])
     assert 1 <= E < len(deep.layers)
     drafter = make_drafter("layerskip", deep)
-    drafter.reset(PROMPTS[1])
+    drafter.add()
+    drafter.restart(0, PROMPTS[1])
     assert drafter.exit == E
     assert make_drafter("layerskip=3", deep).exit == 3
     for bad in ("layerskip=0", "layerskip=4", "layerskip=x"):
@@ -79,7 +80,8 @@ def test_early_exit_matches_the_truncated_model(deep):
     cache = deep.make_cache()
     deep(mx.array([prompt[:-1]]), cache)
     drafter.bind(cache)
-    draft = drafter.propose(prompt, 1, GREEDY)
+    drafter.add()
+    draft = drafter.propose([prompt], [1], [GREEDY])[0]
     logits, _ = deep(mx.array([prompt]), exit_layer=2)
     assert draft.tokens.tolist() == [mx.argmax(logits[0, -1]).item()]
 

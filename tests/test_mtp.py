@@ -90,13 +90,13 @@ def test_modules_keep_exact_caches(case):
     drafter = MTP(net, target)
     prompt = PROMPTS[1]
     context = prompt + tokens_of(speculative_steps(target, prompt, GREEDY, 12, drafter, num_draft=3))
-    drafter.propose(context, 1, GREEDY)
+    drafter.propose([context], [1], [GREEDY])
     n = len(context)
     _, (h,) = target(mx.array([context]), capture=drafter.capture)
     h = target.model.norm(h)
     for k, module in enumerate(net.layers):
         m = n - 1 - k
-        assert drafter.committed[k] == m
+        assert drafter.committed[0][k] == m
         h = h[:, :m]
         ref = KVCache()
         h = module(h, target.model.embed_tokens(mx.array([context[k + 1 : k + 1 + m]])), ref, "causal")

@@ -41,16 +41,22 @@ def test_a_head_reads_the_trunk_only_when_it_drafts(target):
     heads = MTPHeads(mtp_heads_config(target, 3))
     short, full = MTPHeadsDrafter(heads, target), MTPHeadsDrafter(heads, target)
     prompt = PROMPTS[1]
+    for drafter in (short, full):
+        drafter.add()
+        drafter.restart(0, prompt[:1])
+
+    def draft(drafter, context, k):
+        return drafter.propose([context], [k], [GREEDY])[0].tokens.tolist()
+
     _, (trunk,) = target(mx.array(prompt)[None], capture=short.capture)  # [1, S, H]
     start = 0
     for end in (4, 6, 9):  # the trunk states of prompt[:end] are committed; prompt[end] is pending
         for drafter in (short, full):
-            drafter.commit(prompt[: end + 1], (trunk[:, start:end],))
-        first = short.propose(prompt[: end + 1], 1, GREEDY).tokens.tolist()
-        assert first == full.propose(prompt[: end + 1], 3, GREEDY).tokens.tolist()[:1]
+            drafter.commit(0, prompt[: end + 1], (trunk[:, start:end],))
+        assert draft(short, prompt[: end + 1], 1) == draft(full, prompt[: end + 1], 3)[:1]
         start = end
     assert [c.offset for c in short.caches] == [9, 0, 0]
-    assert short.propose(prompt, 3, GREEDY).tokens.tolist() == full.propose(prompt, 3, GREEDY).tokens.tolist()
+    assert draft(short, prompt, 3) == draft(full, prompt, 3)
     assert [c.offset for c in short.caches] == [9, 9, 9]
 
 

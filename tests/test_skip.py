@@ -100,6 +100,7 @@ def test_spec_parsing_and_search_saved_at_first_prompt(deep, tmp_path):
     path = tmp_path / "searched.json"
     drafter = skip_drafter(deep, str(path))
     assert drafter.skip is None and not path.exists()
-    drafter.reset(PROMPTS[1])
+    drafter.add()
+    drafter.restart(0, PROMPTS[1])
     assert load_skip_set(path, deep) == drafter.skip == search_skip(deep, [PROMPTS[1]])
     assert skip_drafter(deep, None).skip is None

@@ -7,10 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_spec.decoding as decoding
+import mlx_spec.sampling as sampling
 from mlx_spec.decoding import plain_steps, speculative_steps
-from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.drafters.base import common_prefix
+from mlx_spec.drafters.base import Draft, HostDrafter, common_prefix
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.drafters.suffix import SuffixDecoding
@@ -24,22 +23,23 @@ from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of,
 GREEDY = SamplingParams()
 
 
-class Scripted(Drafter):
+class Scripted(HostDrafter):
     """Proposes a fixed continuation (right or wrong): exercises every accept length."""
 
     def __init__(self, truth, corrupt_every):
+        super().__init__()
         self.truth, self.corrupt_every, self.round = truth, corrupt_every, 0
 
-    def propose(self, context, k, params):
+    def propose_row(self, b, context, k, params):
         self.round += 1
-        start = len(context) - self.prompt_len
+        start = len(context) - self.states[b]
         tokens = list(self.truth[start : start + k])
         if self.corrupt_every and self.round % self.corrupt_every == 0 and tokens:
             tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % 384
         return Draft(mx.array(tokens, dtype=mx.int32))
 
-    def reset(self, prompt, cached=0):
-        self.prompt_len = len(prompt)
+    def restart(self, b, prompt, cached=0):
+        self.states[b] = len(prompt)
         return cached
 
     def new_session(self):
@@ -126,19 +126,19 @@ def test_draft_model_reuses_its_cache(target, drafters):
     prompt = PROMPTS[2]
     list(speculative_steps(target, prompt, GREEDY, 20, drafter, num_draft=4))
     # The drafter's cache holds a valid prefix of what was generated.
-    held = drafter.cached
+    held = list(drafter.cached[0])
     assert drafter.cache[0].offset == len(held) >= len(prompt)
     # A follow-up turn sharing the prefix keeps it instead of recomputing.
-    drafter.reset(held + [3, 4])
-    assert len(drafter.cached) == len(held)
+    drafter.restart(0, held + [3, 4])
+    assert len(drafter.cached[0]) == len(held)
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1], []) == 0
 
 
 class StartsOver(PromptLookup):
     """A drafter whose state cannot follow an earlier turn: the prompt is read again."""
 
-    def reset(self, prompt, cached=0):
-        super().reset(prompt, cached)
+    def restart(self, b, prompt, cached=0):
+        super().restart(b, prompt, cached)
         return 0
 
 
@@ -182,7 +182,7 @@ def test_sampling_matches_target_distribution(stat_models, kind, params, monkeyp
     assert empirical_tv(target, make, params, p) < bound
     if params.top_p == 1.0:
         # The test has teeth: the same check fails for a wrong acceptance rule.
-        monkeypatch.setattr(decoding, "accept_sampled", resample_from_target)
+        monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)
         assert empirical_tv(target, make, params, p) > bound
 
 
@@ -267,29 +267,37 @@ def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
         make_drafter("medusa", target, tokenizer)
 
 
-def test_draft_length_follows_acceptance_and_costs():
-    from mlx_spec.decoding import DraftLength
+def one_row_policy(k_drafted, accepted, draft_time, verify_time, rounds=30):
+    """A policy for one row whose rounds draft `k_drafted` tokens (a sequence, or
+    one number) and keep `accepted` of them, at the given costs."""
+    from mlx_spec.policy import Policy
 
-    good = DraftLength(8, adaptive=True)
-    for _ in range(30):
-        good.update(8, 8, draft_time=8 * 0.1, verify_time=1.0)  # cheap drafts, all accepted
-    assert good.next() == 8
-    bad = DraftLength(8, adaptive=True)
-    for _ in range(30):
-        bad.update(4, 0, draft_time=4 * 0.5, verify_time=1.0)  # costly drafts, none accepted
-    assert bad.next() == 0
-    assert any(bad.next() > 0 for _ in range(DraftLength.PROBE_EVERY))  # probes again
+    policy = Policy(8)
+    drafter = PromptLookup()
+    drafter.costly = True
+    for i in range(rounds):
+        k = k_drafted[i % len(k_drafted)] if isinstance(k_drafted, list) else k_drafted
+        n = accepted(k) if callable(accepted) else accepted
+        policy.record([0], [k], [n], k + 1, n + 1, draft_time * k + verify_time(k), verify_time(k),
+                      {id(drafter): (draft_time * k, k)})
+    return policy, drafter
+
+
+def test_draft_length_follows_acceptance_and_costs():
+    from mlx_spec.policy import Policy
+
+    good, d = one_row_policy(8, 8, draft_time=0.1, verify_time=lambda k: 1.0)  # cheap drafts, all accepted
+    assert good.choose([0], [d], [100]) == [8]
+    bad, d = one_row_policy(4, 0, draft_time=0.5, verify_time=lambda k: 1.0)  # costly drafts, none accepted
+    assert bad.choose([0], [d], [100]) == [0]
+    assert any(bad.choose([0], [d], [100])[0] > 0 for _ in range(Policy.PROBE_EVERY))  # probes again
     # A verification that grows with its length shortens the draft.
-    steep = DraftLength(8, adaptive=True)
-    for k, t in ((1, 1.0), (8, 4.0)):
-        for _ in range(30):
-            steep.update(k, k // 2, draft_time=0.01 * k, verify_time=t)
-    flat = DraftLength(8, adaptive=True)
-    for k in (1, 8):
-        for _ in range(30):
-            flat.update(k, k // 2, draft_time=0.01 * k, verify_time=1.0)
-    assert steep.next() < flat.next()
-    assert DraftLength(5, adaptive=False).next() == 5
+    steep, d1 = one_row_policy([1, 8], lambda k: k // 2, draft_time=0.01, verify_time=lambda k: 1.0 if k == 1 else 4.0,
+                               rounds=60)
+    flat, d2 = one_row_policy([1, 8], lambda k: k // 2, draft_time=0.01, verify_time=lambda k: 1.0, rounds=60)
+    assert steep.choose([0], [d1], [100])[0] < flat.choose([0], [d2], [100])[0]
+    assert Policy(8, fixed=5).choose([0], [d1], [100]) == [5]
+    assert Policy(8).choose([0], [d1], [2]) == [2]  # never past the room the row has left
 
 
 @pytest.mark.parametrize("kind", ["lookup", "suffix"])

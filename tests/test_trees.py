@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from mlx_spec import tree
-import mlx_spec.decoding as decoding
+import mlx_spec.sampling as sampling
 from mlx_spec.decoding import plain_steps, speculative_steps
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, HostDrafter
 from mlx_spec.drafters.medusa import Medusa, MedusaHeads
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams, log_probs
@@ -85,26 +85,27 @@ SHAPES = {
 }
 
 
-class ScriptedTree(Drafter):
+class ScriptedTree(HostDrafter):
     """A tree of a given shape whose nodes follow a known continuation or not.
 
     Each round picks, per depth, which rank carries the true token (or none),
     so the accepted path ends anywhere in the tree."""
 
     def __init__(self, truth, paths, vocab, seed):
+        super().__init__()
         self.truth, self.vocab = truth, vocab
         self.parents, self.depth, self.rank = tree.from_paths(paths)
         self.rng = np.random.default_rng(seed)
 
-    def reset(self, prompt, cached=0):
-        self.prompt_len = len(prompt)
+    def restart(self, b, prompt, cached=0):
+        self.states[b] = len(prompt)
         return cached
 
     def new_session(self):
         return self
 
-    def propose(self, context, k, params):
-        start = len(context) - self.prompt_len
+    def propose_row(self, b, context, k, params):
+        start = len(context) - self.states[b]
         width = max(self.rank) + 1
         good = self.rng.integers(0, width + 1, size=max(self.depth) + 1)  # width = no true child
         tokens, on_truth = [], []
@@ -162,7 +163,7 @@ def test_medusa_greedy_is_token_identical_to_plain(target, tree_args):
 # --- exact sampling on trees -----------------------------------------------------
 
 
-class SampledTree(Drafter):
+class SampledTree(HostDrafter):
     """Two children per node, two levels, drawn from a draft model.
 
     `replace=True`: siblings drawn independently from p; `False`: the second
@@ -170,10 +171,11 @@ class SampledTree(Drafter):
     the draft's top-2, deterministic (p one-hot)."""
 
     def __init__(self, draft, replace=True, sample=True):
+        super().__init__()
         self.draft, self.replace, self.sample = draft, replace, sample
 
     def new_session(self):
-        return self
+        return SampledTree(self.draft, self.replace, self.sample)
 
     def _p(self, context, params):
         logits, _ = self.draft(mx.array([context]))
@@ -192,7 +194,7 @@ class SampledTree(Drafter):
         second = mx.random.categorical(second_lp).item()
         return [first, second], [lp, second_lp]
 
-    def propose(self, context, k, params):
+    def propose_row(self, b, context, k, params):
         tokens, parents, dists = [], [], []
         level = [(-1, [])]
         for _ in range(min(k, 2)):
@@ -210,11 +212,11 @@ class SampledTree(Drafter):
         return Draft(mx.array(tokens, dtype=mx.int32), lp, parents)
 
 
-def no_residual(logits, tokens, parents, draft_log_probs, params, rng=np.random.default_rng(0)):
+def no_residual(q, u, tokens, parents, draft_log_probs, rng=np.random.default_rng(0)):
     """A wrong rule: after a rejected sibling, test the next ones and draw the
     token against q itself instead of the residual max(0, q - p)."""
-    q = np.array(mx.exp(log_probs(logits, params)), dtype=np.float64)
-    p = np.exp(np.array(draft_log_probs, dtype=np.float64))
+    q = q.astype(np.float64)
+    p = np.exp(draft_log_probs.astype(np.float64))
     kids = tree.children(parents)
     path, node = [], -1
     while True:
@@ -249,7 +251,7 @@ def test_tree_sampling_matches_target_distribution(stat_models, kind, params, mo
     assert empirical_tv(target, make, params, p) < bound
     if kind == "iid":
         # The test has teeth: the same check fails for a rule without the residual.
-        monkeypatch.setattr(decoding, "accept_tree_sampled", no_residual)
+        monkeypatch.setattr(sampling, "accept_tree_sampled", no_residual)
         assert empirical_tv(target, make, params, p) > bound
 
 

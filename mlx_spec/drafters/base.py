@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import tree
-from mlx_spec.sampling import SamplingParams
+from mlx_spec.cache import KVCache
+from mlx_spec.sampling import SamplingParams, draw
 
 
 @dataclass
@@ -33,12 +34,19 @@ class Draft:
         return self.tokens.shape[0]
 
     @classmethod
-    def chain(cls, tokens: list[mx.array], dists: list[mx.array | None]) -> Draft:
-        """A chain from per-step tokens and `draw`'s distributions, evaluated at once."""
-        draft = mx.stack(tokens).astype(mx.int32)  # [K]
-        lp = mx.stack(dists) if dists and dists[0] is not None else None  # [K, V]
+    def steps(cls, tokens: list[mx.array], dists: list[mx.array | None], ks: list[int]) -> list[Draft]:
+        """`rows` from per-step tokens `[B]` and distributions `[B, V]` (None: greedy)."""
+        lp = mx.stack(dists, axis=1) if dists and dists[0] is not None else None
+        return cls.rows(mx.stack(tokens, axis=1), lp, ks)
+
+    @classmethod
+    def rows(cls, tokens: mx.array, lp: mx.array | None, ks: list[int]) -> list[Draft]:
+        """Each row's chain from a batch drafted together: tokens `[B, K]`, the
+        distributions they were drawn from `[B, K, V]` (None: greedy); row b cut
+        to `ks[b]`. Evaluated at once."""
+        draft = tokens.astype(mx.int32)
         mx.eval(draft, lp)
-        return cls(draft, lp)
+        return [cls(draft[b, :k], lp[b, :k] if lp is not None else None) for b, k in enumerate(ks)]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -54,40 +62,60 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Drafter(ABC):
-    """Proposes tokens; keeps its own state in step with what the target accepted."""
+    """Drafts for the rows of a batch (a batch of one, alone): row b is the b-th
+    sequence added, and rows after it move up when it is removed. `propose`
+    drafts for every row at once, with one forward where the method allows;
+    `commit` keeps a row's state in step with what the target accepted."""
 
-    name = "drafter"
+    kind = "drafter"  # its --drafter kind
     # True when drafting costs model forwards (so the loop weighs its cost).
     costly = False
     # The target's hidden states this drafter reads (indices as the target's
     # `capture`); the verification returns them to `commit`.
     capture: tuple[int, ...] = ()
+    # Self-speculation drafts into the target's own cache: one row only.
+    one_row = False
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
-        """A new generation of the same session starts from `prompt`, and the
-        target's cache holds `prompt[:cached]` (an earlier chat turn). Returns
-        how many of those the target may keep: a drafter whose state follows
-        the target's features keeps none, and the prompt is read again."""
+    @property
+    @abstractmethod
+    def rows(self) -> int:
+        """How many rows the drafter holds."""
+
+    @abstractmethod
+    def add(self) -> None:
+        """A new last row, with no history (`restart` gives it its prompt)."""
+
+    @abstractmethod
+    def remove(self, b: int) -> None:
+        """Row b leaves."""
+
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
+        """Row b's next generation starts from `prompt`, and the target's cache holds
+        `prompt[:cached]` for it (an earlier chat turn). Returns how many of those
+        the target may keep: a drafter whose state follows the target's features
+        keeps only what still matches, and the target reads the rest again."""
         return cached
 
     def bind(self, cache: list) -> None:
-        """The target's KV cache for this generation (self-speculation drafts into it)."""
+        """The target's KV cache (self-speculation drafts into it)."""
 
-    def verify_forward(self, target, inputs: mx.array, cache: list) -> tuple[mx.array, tuple[mx.array, ...]]:
-        """The target's forward over a chain `[1, K+1]` -> (logits, the `capture`d hidden
-        states); a drafter that already ran part of it (LayerSkip) reuses that."""
-        return target(inputs, cache, capture=self.capture)
+    def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...]
+                       ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The target's verification forward over a chain -> (logits, the hidden
+        states of `capture`); a drafter that already ran part of it (LayerSkip) reuses that."""
+        return target(inputs, cache, capture=capture)
 
     @abstractmethod
     def new_session(self) -> "Drafter":
-        """A drafter like this one (same weights, same settings) with no history."""
+        """A drafter like this one (same weights, same settings) with no rows."""
 
     @abstractmethod
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        """Up to `k` tokens to follow `context` (the prompt and every committed token)."""
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        """For each row b, up to `ks[b]` tokens to follow `contexts[b]` (its prompt and
+        every committed token); k = 0 asks for nothing (an empty draft)."""
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        """The target accepted up to the end of `context`; drop stale state.
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        """Row b's target accepted up to the end of `context`; drop stale state.
 
         `features` hold, per `capture` index, the target's hidden states
         `[1, n, H]` of the last n tokens of `context` but its last (which the
@@ -95,6 +123,95 @@ class Drafter(ABC):
         last token and the accepted drafts; while the prompt is read, a chunk
         of it.
         """
+
+
+class RowStates(Drafter):
+    """A drafter that keeps its rows in lists, one entry per row (the fields
+    `new_row` names, with a new row's values), and in batched KV caches (`caches`)."""
+
+    caches: list[KVCache] = []
+
+    def new_row(self) -> dict:
+        return {"states": None}  # `restart` fills it
+
+    def __init__(self):
+        for name in self.new_row():
+            setattr(self, name, [])
+
+    @property
+    def rows(self) -> int:
+        return len(getattr(self, next(iter(self.new_row()))))
+
+    def add(self) -> None:
+        for c in self.caches:
+            c.extend(KVCache())
+        for name, value in self.new_row().items():
+            getattr(self, name).append(value)
+
+    def remove(self, b: int) -> None:
+        for c in self.caches:
+            c.remove(b)
+        for name in self.new_row():
+            del getattr(self, name)[b]
+
+
+class HostDrafter(RowStates):
+    """A drafter whose rows draft one at a time, on the host (lookup, suffix):
+    `propose_row` drafts for one row from its state."""
+
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        return [self.propose_row(b, c, k, p) if k > 0 else EMPTY()
+                for b, (c, k, p) in enumerate(zip(contexts, ks, params))]
+
+    @abstractmethod
+    def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
+        """Up to `k` tokens to follow row b's `context`."""
+
+
+def EMPTY() -> Draft:
+    """A draft of nothing: the round is plain for that row."""
+    return Draft(mx.array([], dtype=mx.int32))
+
+
+def draw_rows(logits: mx.array, params: list[SamplingParams]) -> tuple[mx.array, mx.array | None]:
+    """Each row's token from `logits` `[B, ..., V]` under its own sampling settings
+    (rows that share them are drawn together), and the log-probabilities drawn
+    from (None when every row is greedy)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, p in enumerate(params):
+        groups.setdefault(p, []).append(b)
+    if len(groups) == 1:
+        return draw(logits, params[0])
+    tokens = [None] * len(params)
+    lps = [None] * len(params)
+    for p, rows in groups.items():
+        t, lp = draw(logits[mx.array(rows)], p)
+        for i, b in enumerate(rows):
+            tokens[b], lps[b] = t[i], (lp[i] if lp is not None else None)
+    if any(lp is not None for lp in lps):
+        # A greedy row's draft is deterministic: one-hot, exactly what acceptance assumes for None.
+        V = logits.shape[-1]
+        lps = [lp if lp is not None else mx.log(mx.arange(V) == t[..., None]) for t, lp in zip(tokens, lps)]
+        return mx.stack(tokens), mx.stack(lps)
+    return mx.stack(tokens), None
+
+
+def rows_of(x: mx.array, n: list[int]) -> list[mx.array]:
+    """Row b's first `n[b]` entries of `x` `[B, S, ...]`, each `[1, n_b, ...]`."""
+    return [x[b : b + 1, :m] for b, m in enumerate(n)]
+
+
+def padded(parts: list[mx.array | None], width: int | None = None) -> tuple[mx.array, list[int]]:
+    """Per-row `[1, n_b, ...]` arrays (None: nothing) right-padded with zeros to
+    one `[B, n_max, ...]`, and each row's n."""
+    n = [0 if p is None else p.shape[1] for p in parts]
+    like = next(p for p in parts if p is not None)
+    width = max(n) if width is None else width
+    rows = [mx.zeros((1, width, *like.shape[2:]), like.dtype) if p is None else
+            p if p.shape[1] == width else
+            mx.concatenate([p, mx.zeros((1, width - p.shape[1], *p.shape[2:]), p.dtype)], axis=1)
+            for p in parts]
+    return mx.concatenate(rows), n
 
 
 def depth_tree(logits: mx.array, k: int, paths: list[list[int]] | None = None, budget: int | None = None,

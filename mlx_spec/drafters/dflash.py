@@ -27,15 +27,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter, common_prefix, depth_tree
+from mlx_spec.cache import KVCache, cut_cache
+from mlx_spec.drafters.base import EMPTY, Draft, RowStates, common_prefix, depth_tree, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
 from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
-from mlx_spec.sampling import SamplingParams, draw
+from mlx_spec.sampling import SamplingParams
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -88,39 +88,54 @@ class DFlashNet(nn.Module):
     def block_size(self) -> int:
         return self.settings["block_size"]
 
-    def _mask(self, i: int, cached: int, B: int) -> mx.array | None:
-        """Block queries see every cached context key; sliding-window layers see
-        the block causally and only the context inside the window."""
+    def _mask(self, i: int, lengths: list[int], N: int) -> mx.array | None:
+        """`[R, 1, N, L + N]` for a block of N after each row's context (R rows,
+        `lengths` of context, L the longest): block queries see their row's
+        context; sliding-window layers see the block causally and only the
+        context inside the window. None where nothing is masked."""
         s = self.settings
         sliding = s["layer_types"][i] == "sliding_attention"
         causal = s["causal"] if s["causal"] is not None else sliding
-        if not (sliding or causal):
+        aligned = all(n == lengths[0] for n in lengths)
+        if aligned and not (sliding or causal):
             return None
-        q = cached + np.arange(B)[:, None]  # query positions (the block starts right after the context)
-        k = np.arange(cached + B)[None, :]
-        allowed = (k <= q) if causal else np.ones((B, cached + B), dtype=bool)
+        L = max(lengths)
+        ctx = np.array(lengths)[:, None, None]  # [R, 1, 1]
+        q = ctx + np.arange(N)[None, :, None]  # [R, N, 1]: the block starts right after its row's context
+        k = np.arange(L)[None, None, :]  # context keys
+        seen = np.broadcast_to(k < ctx, (len(lengths), N, L))
+        i_, j_ = np.arange(N)[:, None], np.arange(N)[None, :]  # block queries, block keys
+        own = (j_ <= i_) if causal else np.ones((N, N), dtype=bool)
         if sliding:
             w = s["sliding_window"]
-            allowed &= (q - k < w) & (causal | (k - q < w))  # the window, on both sides when not causal
-        return mx.array(allowed)
+            seen = seen & (q - k < w)
+            own = own & (i_ - j_ < w) & (causal | (j_ - i_ < w))  # the window, on both sides when not causal
+        own = np.broadcast_to(own, (len(lengths), N, N))
+        return mx.array(np.concatenate([seen, own], axis=-1)[:, None])
 
-    def __call__(self, block: mx.array, context: mx.array | None, cache: list[KVCache]) -> mx.array:
-        """`block` embeddings `[1, B, H]`, new context features `[1, S, F]` (or None)
-        -> normed output states `[1, B, H]`. The context's keys and values are
-        appended to `cache` (one per layer); the block's are not kept."""
-        ctx = self.hidden_norm(self.fc(context)) if context is not None else None  # [1, S, H]
+    def __call__(self, block: mx.array, context: mx.array | None, cache: list[KVCache],
+                 new: list[int] | None = None) -> mx.array:
+        """`block` embeddings `[R, N, H]`, new context features `[R, S, F]` (or None;
+        row r's first `new[r]` are real, the rest padding) -> normed output states
+        `[R, N, H]`. The context's keys and values are appended to `cache` (one per
+        layer); the block's are not kept."""
+        ctx = self.hidden_norm(self.fc(context)) if context is not None else None  # [R, S, H]
         x = block
-        B = block.shape[1]
+        N = block.shape[1]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             c = cache[i]
             if ctx is not None:
+                before = list(c.lengths)
                 c.update_and_fetch(*attn.keys_values(ctx, c.offset))
-            cached = c.offset
-            q, kb, vb = layer.pre(x, cached, None)  # the block sits right after the context
-            keys = mx.concatenate([c.keys[..., :cached, :], kb], axis=2) if cached else kb
-            values = mx.concatenate([c.values[..., :cached, :], vb], axis=2) if cached else vb
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=self._mask(i, cached, B))
+                for r, (n, m) in enumerate(zip(before, new or [ctx.shape[1]] * len(before))):
+                    c.cut(r, n + m)
+            L = max(c.lengths)
+            q, kb, vb = layer.pre(x, c.offset, None)  # each row's block sits right after its context
+            keys = mx.concatenate([c.keys[..., :L, :], kb], axis=2) if L else kb
+            values = mx.concatenate([c.values[..., :L, :], vb], axis=2) if L else vb
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale,
+                                                       mask=self._mask(i, c.lengths, N))
             x = layer.post(x, out)
         return self.norm(x)
 
@@ -170,50 +185,57 @@ def dflash_config(target: Model, num_layers: int, block_size: int, mask_token_id
     }
 
 
-class DFlash(Drafter):
+class DFlash(RowStates):
     """One block per round: a chain of its drafts, or with `budget` a DDTree
     (the best-first tree of that many nodes over the block's per-position
-    distributions)."""
+    distributions). Every row's block runs in the same forward."""
 
-    name = "dflash"
+    kind = "dflash"
     costly = True
 
     def __init__(self, net: DFlashNet, target: Model, budget: int | None = None, block_size: int | None = None):
+        super().__init__()
         self.net, self.target, self.budget = net, target, budget
         self.block_size = block_size or net.block_size
         self.capture = tuple(j + 1 for j in net.settings["target_layer_ids"])  # outputs of those layers
-        self.cache = [KVCache() for _ in self.net.layers]  # the context's keys and values
-        self.pending: list[mx.array] = []  # features [1, n, K * H] not in the cache yet
-        self.context: list[int] = []  # the tokens the cache was computed from
+        self.cache = self.caches = [KVCache(rows=0) for _ in self.net.layers]  # each row's context keys and values
+
+    def new_row(self) -> dict:
+        # features [1, n, K * H] not in the cache yet; the tokens the cache was computed from
+        return {"pending": [], "context": []}
 
     def new_session(self) -> DFlash:
         return DFlash(self.net, self.target, self.budget, self.block_size)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         # Position j's keys and values came from the target's features at j: they
         # stand while the tokens up to j do.
-        keep = min(self.cache[0].offset, common_prefix(self.context, prompt), cached)
-        trim_cache(self.cache, self.cache[0].offset - keep)
-        self.pending = []
+        keep = min(self.cache[0].lengths[b], common_prefix(self.context[b], prompt), cached)
+        cut_cache(self.cache, b, keep)
+        self.pending[b] = []
         return keep
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        self.context = context
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        self.context[b] = context
         if features:
-            self.pending.append(mx.concatenate(features, axis=-1))  # [1, n, K * H]
+            self.pending[b].append(mx.concatenate(features, axis=-1))  # [1, n, K * H]
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        ctx = mx.concatenate(self.pending, axis=1) if self.pending else None
-        self.pending = []
-        B = self.block_size
-        block = mx.array([context[-1]] + [self.net.settings["mask_token_id"]] * (B - 1))[None]
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        ctx, new = (padded([mx.concatenate(p, axis=1) if p else None for p in self.pending])
+                    if any(self.pending) else (None, None))
+        self.pending = [[] for _ in self.pending]
+        N = self.block_size
+        ks = [min(k, N - 1) for k in ks]
+        mask_id = self.net.settings["mask_token_id"]
+        block = mx.array([[c[-1]] + [mask_id] * (N - 1) for c in contexts])  # [R, N]: the anchor, then masks
         # The context holds every token before the anchor (none for a one-token prompt).
-        h = self.net(self.target.model.embed_tokens(block), ctx, self.cache)
-        logits = self.target.unembed(h[0, 1 : 1 + k])  # [k, V]: position i + 1 drafts token i
+        h = self.net(self.target.model.embed_tokens(block), ctx, self.cache, new)
+        K = max(ks)
+        if K == 0:
+            return [EMPTY() for _ in ks]
+        logits = self.target.unembed(h[:, 1 : 1 + K])  # [R, K, V]: position i + 1 drafts token i
         if self.budget is not None:
-            return depth_tree(logits, k, budget=self.budget)
+            return [depth_tree(logits[b], k, budget=self.budget) if k else EMPTY() for b, k in enumerate(ks)]
         # Each position is drawn from its own distribution: p_i does not depend on the earlier drafts.
-        tokens, lp = draw(logits, params)  # [k], [k, V]
-        tokens = tokens.astype(mx.int32)
-        mx.eval(tokens, lp)
-        return Draft(tokens, lp)
+        tokens, lp = draw_rows(logits, params)  # [R, K], [R, K, V]
+        return Draft.rows(tokens, lp, ks)

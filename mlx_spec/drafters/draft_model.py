@@ -11,47 +11,50 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter, common_prefix
+from mlx_spec.cache import cut_cache
+from mlx_spec.drafters.base import EMPTY, Draft, RowStates, common_prefix, draw_rows
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams, draw
 
 
-class DraftModel(Drafter):
-    name = "draft"
+class DraftModel(RowStates):
+    kind = "draft"
     costly = True
 
     def __init__(self, model: Model, target_vocab: int, path: Path | None = None):
+        super().__init__()
         self.model = model
         self.vocab = target_vocab
         self.path = path  # where the model was loaded from
-        self.cache: list[KVCache] = model.make_cache()
-        self.cached: list[int] = []  # the tokens whose K/V the cache holds
-        self.base = 0  # context length at the last proposal
+        self.cache = model.make_cache(rows=0)
+
+    @property
+    def caches(self) -> list:
+        return self.cache
+
+    def new_row(self) -> dict:
+        # the tokens whose K/V the cache holds; the context's length at the last proposal
+        return {"cached": [], "base": 0}
 
     def new_session(self) -> DraftModel:
         return DraftModel(self.model, self.vocab, self.path)
 
-    def _keep(self, n: int) -> None:
-        trim_cache(self.cache, len(self.cached) - n)
-        del self.cached[n:]
+    def _keep(self, b: int, n: int) -> None:
+        cut_cache(self.cache, b, n)
+        del self.cached[b][n:]
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         # Reuse what the cache shares with the new prompt (an earlier chat turn).
         # The last prompt token is always fed again, for its logits.
-        self._keep(min(common_prefix(self.cached, prompt), len(prompt) - 1))
+        self._keep(b, min(common_prefix(self.cached[b], prompt), len(prompt) - 1))
         return cached
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The cache holds the old context and the draft but its last token; keep
         # the drafted tokens the target accepted (the context has them next).
-        base = self.base
-        n = 0
-        for drafted, kept in zip(self.cached[base:], context[base:]):
-            if drafted != kept:
-                break
-            n += 1
-        self._keep(min(base + n, len(context) - 1))
+        base = self.base[b]
+        n = common_prefix(self.cached[b][base:], context[base:])
+        self._keep(b, min(base + n, len(context) - 1))
 
     def _to_target_vocab(self, logits: mx.array) -> mx.array:
         """Cut or pad (with -inf) the draft's padded vocabulary to the target's."""
@@ -63,20 +66,34 @@ class DraftModel(Drafter):
             return mx.concatenate([logits, pad], axis=-1)
         return logits
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        new = context[len(self.cached) :]
-        feed = mx.array(new)[None]  # [1, S], S >= 1
-        self.cached.extend(new)
-        self.base = len(context)
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        K = max(ks)
+        if K == 0:
+            return [EMPTY() for _ in ks]
+        # Every row first reads what it has not (its last token, at least), padded to one forward.
+        new = [c[len(held):] for c, held in zip(contexts, self.cached)]
+        lengths = [len(held) for held in self.cached]
+        n = [len(t) for t in new]
+        S = max(n)
+        feed = mx.array([t + [0] * (S - len(t)) for t in new])  # [B, S]
+        logits, _ = self.model(feed, self.cache)  # [B, S, V]
+        for b, (held, m) in enumerate(zip(lengths, n)):
+            cut_cache(self.cache, b, held + m)
+        last = logits[mx.arange(len(n)), mx.array(n) - 1]  # [B, V]: each row's last real token
+        for held, t, c in zip(self.cached, new, contexts):
+            held.extend(t)
+        self.base = [len(c) for c in contexts]
+        # K steps, each token feeding the next as an array: one evaluation for all.
         tokens, dists = [], []
-        for _ in range(k):
-            logits, _ = self.model(feed, self.cache)
-            logits = self._to_target_vocab(logits[0, -1])  # [V]
-            token, lp = draw(logits, params)
+        for i in range(K):
+            token, lp = draw_rows(self._to_target_vocab(last), params)  # [B], [B, V]
             tokens.append(token)
             dists.append(lp)
-            feed = token.reshape(1, 1)
-        draft = Draft.chain(tokens, dists)
-        # The cache now holds the context and every draft token but the last.
-        self.cached.extend(draft.tokens[:-1].tolist())
-        return draft
+            if i + 1 < K:
+                logits, _ = self.model(token[:, None], self.cache)
+                last = logits[:, -1]
+        drafts = Draft.steps(tokens, dists, ks)
+        # The cache now holds each context and every draft token but the last.
+        for held, d in zip(self.cached, mx.stack(tokens, axis=1)[:, : K - 1].tolist()):
+            held.extend(d)
+        return drafts

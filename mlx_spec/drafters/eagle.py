@@ -35,14 +35,14 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter, common_prefix
+from mlx_spec.drafters.base import EMPTY, Draft, RowStates, common_prefix, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import MLP, Attention, Model
 from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
-from mlx_spec.sampling import SamplingParams, draw
+from mlx_spec.sampling import SamplingParams
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -217,122 +217,150 @@ def check_eagle_fits(net: EagleNet, target: Model, what: str) -> None:
             raise UserError(f"{what}: drafter hidden size {a.hidden_size}, the target's embedding is {t.hidden_size}")
 
 
-class Eagle(Drafter):
+class Eagle(RowStates):
     """Drafts a chain (`budget` None) or an EAGLE-2 dynamic tree of `budget` nodes,
-    expanding the `topk` most confident nodes per depth, `depth` deep at most."""
+    expanding the `topk` most confident nodes per depth, `depth` deep at most.
+    Every row drafts in the same forward, one per step (a tree: one per depth)."""
 
     costly = True
 
     def __init__(self, net: EagleNet, target: Model, budget: int | None = None, topk: int = 8, depth: int = 6):
+        super().__init__()
         self.net, self.target = net, target
         self.budget, self.topk, self.depth = budget, topk, depth
-        self.name = f"eagle{net.version}"
+        self.kind = f"eagle{'3' if net.version == 3 else ''}"
         L = target.args.num_hidden_layers
         self.capture = (L,) if net.version == 1 else tuple(net.taps or default_layers(L))
-        self.cache: list[KVCache] = [KVCache()]
-        self.committed = 0  # slots holding the target's real features
-        self.pending: list[mx.array] = []  # features [1, n, F] of the next slots
-        self.ahead: mx.array | None = None  # output state of the last committed slot
-        self.context: list[int] = []  # the tokens the slots were computed from
+        self.cache = self.caches = [KVCache(rows=0)]
+
+    def new_row(self) -> dict:
+        # slots holding the target's real features; features [1, n, F] of the next slots; the output
+        # state [H] of the last committed slot; the tokens the slots were computed from
+        return {"committed": 0, "pending": [], "ahead": None, "context": []}
 
     def new_session(self) -> Eagle:
         return Eagle(self.net, self.target, self.budget, self.topk, self.depth)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         # Slot j read token j's features and token j + 1: it stands while both do.
-        keep = max(0, min(self.committed, common_prefix(self.context, prompt) - 1, cached))
-        trim_cache(self.cache, self.cache[0].offset - keep)
-        self.committed, self.pending, self.ahead = keep, [], None
+        keep = max(0, min(self.committed[b], common_prefix(self.context[b], prompt) - 1, cached))
+        self.cache[0].cut(b, keep)
+        self.committed[b], self.pending[b], self.ahead[b] = keep, [], None
         return keep
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        self.context = context
-        trim_cache(self.cache, self.cache[0].offset - self.committed)
-        if not features:
-            return
-        f = self.target.model.norm(features[0]) if self.net.version == 1 else mx.concatenate(features, axis=-1)
-        self.pending.append(f)
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        self.context[b] = context
+        self.cache[0].cut(b, self.committed[b])  # drop the slots drafting wrote ahead
+        if features:
+            f = self.target.model.norm(features[0]) if self.net.version == 1 else mx.concatenate(features, axis=-1)
+            self.pending[b].append(f)
 
-    def _extend(self, context: list[int]) -> None:
-        """Run the committed slots over the features that came since the last round."""
-        if not self.pending:
+    def _extend(self, contexts: list[list[int]]) -> None:
+        """Run each row's committed slots over the features that came since its last round (one forward)."""
+        if not any(self.pending):
             return
-        f = mx.concatenate(self.pending, axis=1)  # [1, n, F]
-        n = f.shape[1]
-        start = self.committed
-        tokens = mx.array(context[start + 1 : start + 1 + n])[None]  # the token after each slot's
-        x = self.net(f, self.target.model.embed_tokens(tokens), self.cache[0], mask="causal" if n > 1 else None)
-        self.committed += n
-        self.pending = []
-        self.ahead = x[:, -1:]  # [1, 1, H]
+        f, n = padded([mx.concatenate(p, axis=1) if p else None for p in self.pending])  # [B, n_max, F]
+        S = f.shape[1]
+        tokens = mx.array([c[start + 1 : start + 1 + m] + [0] * (S - m)  # the token after each slot's
+                           for c, start, m in zip(contexts, self.committed, n)])
+        cache = self.cache[0]
+        x = self.net(f, self.target.model.embed_tokens(tokens), cache, mask=cache.make_mask(S))
+        for b, m in enumerate(n):
+            self.committed[b] += m
+            cache.cut(b, self.committed[b])
+            if m:
+                self.ahead[b] = x[b, m - 1]
+            self.pending[b] = []
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        self._extend(context)
-        if self.ahead is None or self.committed != len(context) - 1:
-            return Draft(mx.array([], dtype=mx.int32))  # no features yet (a one-token prompt)
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        self._extend(contexts)
+        # A row drafts once its slots have caught up (a one-token prompt brings no features).
+        ks = [k if a is not None and n == len(c) - 1 else 0
+              for k, a, n, c in zip(ks, self.ahead, self.committed, contexts)]
+        if max(ks) == 0:
+            return [EMPTY() for _ in ks]
+        H = self.net.args.hidden_size
+        ahead = mx.stack([a if a is not None else mx.zeros((H,)) for a in self.ahead])  # [B, H]
         if self.budget is None:
-            return self._chain(k, params)
-        return self._tree(k)
+            return self._chain(ahead, ks, params)
+        return self._tree(ahead, ks)
 
     def _step(self, feature: mx.array, tokens: mx.array, positions=None, mask=None) -> mx.array:
-        return self.net(feature, self.target.model.embed_tokens(tokens), self.cache[0], positions, mask)
+        cache = self.cache[0]
+        if mask is None:
+            mask = cache.make_mask(tokens.shape[1])
+        return self.net(feature, self.target.model.embed_tokens(tokens), cache, positions, mask)
 
-    def _chain(self, k: int, params: SamplingParams) -> Draft:
-        x = self.ahead
+    def _chain(self, ahead: mx.array, ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        x = ahead[:, None]  # [B, 1, H]
+        K = max(ks)
         drafted, dists = [], []
-        for i in range(k):
-            logits = self.net.logits(x[0, -1], self.target)  # [V]
-            token, lp = draw(logits, params)
+        for i in range(K):
+            logits = self.net.logits(x[:, -1], self.target)  # [B, V]
+            token, lp = draw_rows(logits, params)
             drafted.append(token)
             dists.append(lp)
-            if i + 1 < k:
-                x = self._step(self.net.next_feature(x), token.reshape(1, 1))
-        return Draft.chain(drafted, dists)
+            if i + 1 < K:
+                x = self._step(self.net.next_feature(x), token[:, None])
+        return Draft.steps(drafted, dists, ks)
 
-    def _tree(self, k: int) -> Draft:
-        """EAGLE-2: grow by cumulative confidence, then keep the best `budget` nodes."""
-        depth_max = min(k, self.depth)
-        base = self.committed  # the first tree slot
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []  # cumulative log-probabilities
-        slot_of: dict[int, int] = {}  # node -> its slot in the drafter's cache, once run
-        states: dict[int, mx.array] = {-1: self.ahead[0, -1]}  # node -> output state [H]
-        frontier = [-1]
-        for depth in range(1, depth_max + 1):
+    def _tree(self, ahead: mx.array, ks: list[int]) -> list[Draft]:
+        """EAGLE-2: grow by cumulative confidence, then keep the best `budget` nodes.
+        Each row grows its own tree; a depth's frontier nodes of all rows run in one
+        forward (a row whose tree is done, or that drafts nothing, runs padding)."""
+        B, F = len(ks), self.topk
+        depth_max = [min(k, self.depth) for k in ks]
+        base = list(self.committed)  # each row's first tree slot
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        parents: list[list[int]] = [[] for _ in range(B)]
+        scores: list[list[float]] = [[] for _ in range(B)]  # cumulative log-probabilities
+        slot_of: list[dict[int, int]] = [{} for _ in range(B)]  # node -> its slot in the cache, once run
+        frontier = [[-1] if d else [] for d in depth_max]
+        states = ahead[:, None]  # [B, 1, H]: the frontier's output states
+        cache = self.cache[0]
+        for depth in range(1, max(depth_max) + 1):
             if depth > 1:
-                # Run the frontier's nodes: each sees the committed slots and its ancestors.
-                cached = self.cache[0].offset
-                mask = np.zeros((len(frontier), cached + len(frontier)), dtype=bool)
-                mask[:, :base] = True
-                for row, node in enumerate(frontier):
-                    for a in tree.path_to(parents, node)[:-1]:
-                        mask[row, slot_of[a]] = True
-                    mask[row, cached + row] = True
-                feature = mx.stack([states[parents[n]] for n in frontier])[:, None]  # [S, 1, H]
-                x = self._step(
-                    self.net.next_feature(feature).reshape(1, len(frontier), -1),
-                    mx.array([tokens[n] for n in frontier])[None],
-                    positions=mx.array([base - 1 + depth - 1] * len(frontier))[None],
-                    mask=mx.array(mask),
-                )
-                for row, node in enumerate(frontier):
-                    slot_of[node] = cached + row
-                    states[node] = x[0, row]
-            logits = mx.stack([self.net.logits(states[n], self.target) for n in frontier])  # [F, V]
+                cached = list(cache.lengths)
+                mask = np.zeros((B, 1, F, max(cached) + F), dtype=bool)
+                ids = np.zeros((B, F), dtype=np.int32)
+                positions = np.zeros((B, F), dtype=np.int32)
+                for b in range(B):
+                    mask[b, 0, np.arange(F), cached[b] + np.arange(F)] = True  # itself (padding too)
+                    for row, node in enumerate(frontier[b]):
+                        mask[b, 0, row, : base[b]] = True
+                        for a in tree.path_to(parents[b], node)[:-1]:
+                            mask[b, 0, row, slot_of[b][a]] = True
+                        slot_of[b][node] = cached[b] + row
+                        ids[b, row] = tokens[b][node]
+                        positions[b, row] = base[b] - 1 + depth - 1
+                states = self._step(self.net.next_feature(previous), mx.array(ids), mx.array(positions),
+                                    mx.array(mask))  # [B, F, H]
+            logits = self.net.logits(states, self.target)  # [B, F, V]
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            top = mx.argsort(-lp, axis=-1)[:, : self.topk]
+            top = mx.argsort(-lp, axis=-1)[..., : self.topk]
             top_lp = mx.take_along_axis(lp, top, axis=-1)
             top, top_lp = np.array(top), np.array(top_lp)
-            children = []
-            for row, node in enumerate(frontier):
-                base_score = scores[node] if node >= 0 else 0.0
-                for j in range(top.shape[1]):
-                    tokens.append(int(top[row, j]))
-                    parents.append(node)
-                    scores.append(base_score + float(top_lp[row, j]))
-                    children.append(len(tokens) - 1)
-            frontier = sorted(children, key=lambda n: -scores[n])[: self.topk]
-        keep = tree.top_nodes(parents, scores, self.budget)
-        kept_parents = tree.subtree(parents, keep)
-        return Draft(mx.array([tokens[i] for i in keep], dtype=mx.int32), None, kept_parents)
+            parent_rows = np.zeros((B, F), dtype=np.int32)
+            for b in range(B):
+                children = []
+                for row, node in enumerate(frontier[b]):
+                    base_score = scores[b][node] if node >= 0 else 0.0
+                    for j in range(top.shape[2]):
+                        tokens[b].append(int(top[b, row, j]))
+                        parents[b].append(node)
+                        scores[b].append(base_score + float(top_lp[b, row, j]))
+                        children.append((len(tokens[b]) - 1, row))
+                # The next frontier: the row's most confident new nodes, fed their parents' states.
+                best = sorted(children, key=lambda c: -scores[b][c[0]])[:F] if depth < depth_max[b] else []
+                frontier[b] = [n for n, _ in best]
+                parent_rows[b, : len(best)] = [row for _, row in best]
+            previous = mx.take_along_axis(states, mx.array(parent_rows)[..., None], axis=1)  # [B, F, H]
+        drafts = []
+        for b in range(B):
+            if ks[b] == 0:
+                drafts.append(EMPTY())
+                continue
+            keep = tree.top_nodes(parents[b], scores[b], self.budget)
+            drafts.append(Draft(mx.array([tokens[b][i] for i in keep], dtype=mx.int32), None,
+                                tree.subtree(parents[b], keep)))
+        return drafts

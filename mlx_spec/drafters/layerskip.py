@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, HostDrafter
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams, draw
 
@@ -41,11 +41,15 @@ def choose_exit(target: Model, prompt: list[int], k: int = 4) -> int:
     return best
 
 
-class LayerSkip(Drafter):
-    name = "layerskip"
+class LayerSkip(HostDrafter):
+    """Drafts into the target's own cache, so it serves one row."""
+
+    kind = "layerskip"
     costly = True
+    one_row = True
 
     def __init__(self, target: Model, exit_layer: int | None = None):
+        super().__init__()
         self.target, self.fixed = target, exit_layer
         self.exit = exit_layer or max(target.args.num_hidden_layers // 2, 1)
         self.cache: list[KVCache] = []
@@ -57,31 +61,32 @@ class LayerSkip(Drafter):
     def bind(self, cache: list[KVCache]) -> None:
         self.cache = cache
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         self.saved = None
         if self.fixed is None:
             self.exit = choose_exit(self.target, prompt)
         return cached
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+    def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
         early = range(self.exit)
         feed = mx.array(context[-1:])[None]  # the pending token first
         states, tokens, dists = [], [], []
         for i in range(k):
             h = self.target.run_layers(self.target.model.embed_tokens(feed), self.cache, early)  # [1, 1, H]
             states.append(h)
-            logits = self.target.head(h)[0, -1]  # [V]
+            logits = self.target.head(h)[:, -1]  # [1, V]
             token, lp = draw(logits, params)
             tokens.append(token)
             dists.append(lp)
             feed = token.reshape(1, 1)
         self.saved = mx.concatenate(states, axis=1)  # [1, k, H]: the pending token and all drafts but the last
-        return Draft.chain(tokens, dists)
+        return Draft.steps(tokens, dists, [k])[0]
 
-    def verify_forward(self, target, inputs: mx.array, cache: list) -> tuple[mx.array, tuple[mx.array, ...]]:
+    def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...]
+                       ) -> tuple[mx.array, tuple[mx.array, ...]]:
         saved, self.saved = self.saved, None
         if saved is None or saved.shape[1] != inputs.shape[1] - 1:
-            return target(inputs, cache, capture=self.capture)  # a plain round
+            return target(inputs, cache, capture=capture)  # a plain round
         L = target.args.num_hidden_layers
         # Only the last draft has not been through the first E layers.
         last = target.run_layers(target.model.embed_tokens(inputs[:, -1:]), cache, range(self.exit))

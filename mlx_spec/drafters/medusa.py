@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_spec import hub, tree
 from mlx_spec.convert.readers import read_safetensors
-from mlx_spec.drafters.base import Draft, Drafter, depth_tree
+from mlx_spec.drafters.base import EMPTY, Draft, RowStates, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.llama import Model
@@ -115,31 +115,37 @@ def load_medusa(path_or_repo: str, revision: str | None = None) -> tuple[MedusaH
     return heads, path
 
 
-class Medusa(Drafter):
-    """Drafts a tree from the Medusa heads; `paths` (static) or `budget` (best-first)."""
+class Medusa(RowStates):
+    """Drafts a tree from the Medusa heads; `paths` (static) or `budget` (best-first).
+    The heads run once for every row's hidden state; each row's tree is its own."""
 
-    name = "medusa"
+    kind = "medusa"
 
     def __init__(self, heads: MedusaHeads, target: Model, paths: Sequence[Sequence[int]] | None = None,
                  budget: int | None = None):
+        super().__init__()
         self.heads, self.target = heads, target
         self.paths = [list(p) for p in (tree.MC_SIM_7B_63 if paths is None and budget is None else paths or [])]
         self.budget = budget
         self.capture = (target.args.num_hidden_layers,)
-        self.hidden: mx.array | None = None  # [H] at the last committed token, before the final norm
+        # per row: [H] at its last committed token, before the final norm (None until the prompt's come)
 
     def new_session(self) -> Medusa:
         return Medusa(self.heads, self.target, self.paths or None, self.budget)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
-        self.hidden = None  # until the prompt's features come (none for a one-token prompt: a plain round)
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
+        self.states[b] = None  # a one-token prompt brings no features: a plain round
         return cached
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        self.hidden = features[0][0, -1]
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        self.states[b] = features[0][0, -1]
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        if self.hidden is None:
-            return Draft(mx.array([], dtype=mx.int32))
-        logits = self.heads(self.target.model.norm(self.hidden))[..., : self.target.args.vocab_size]  # [K, V]
-        return depth_tree(logits, k, self.paths, self.budget, TOPK)
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        rows = [b for b, (h, k) in enumerate(zip(self.states, ks)) if h is not None and k > 0]
+        drafts = [EMPTY() for _ in ks]
+        if rows:
+            hidden = mx.stack([self.states[b] for b in rows])  # [R, H]
+            logits = self.heads(self.target.model.norm(hidden))[..., : self.target.args.vocab_size]  # [R, K, V]
+            for i, b in enumerate(rows):
+                drafts[b] = depth_tree(logits[i], ks[b], self.paths, self.budget, TOPK)
+        return drafts

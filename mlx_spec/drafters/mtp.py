@@ -38,14 +38,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.cache import KVCache, cut_cache
+from mlx_spec.drafters.base import EMPTY, Draft, RowStates, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
 from mlx_spec.models.load import load_folder, read_json
 from mlx_spec.models.rope import RoPE
-from mlx_spec.sampling import SamplingParams, draw
+from mlx_spec.sampling import SamplingParams
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 
@@ -116,96 +116,137 @@ def check_mtp_fits(net: MTPNet, target: Model, what: str) -> None:
         raise UserError(f"{what}: MTP vocabulary {a.vocab_size}, the target's is {t.vocab_size}")
 
 
-class MTP(Drafter):
-    """Drafts a chain with the target's own MTP modules."""
+class MTP(RowStates):
+    """Drafts a chain with the target's own MTP modules; each module runs once a
+    step for every row (rows run different numbers of slots, padded)."""
 
-    name = "mtp"
+    kind = "mtp"
     costly = True
 
     def __init__(self, net: MTPNet, target: Model):
         self.net, self.target = net, target
+        super().__init__()
         self.capture = (target.args.num_hidden_layers,)  # the last hidden state, before the final norm
-        self.reset([])
+        self.cache = self.caches = [KVCache(rows=0) for _ in net.layers]
+
+    def new_row(self) -> dict:
+        # Per module: slots whose inputs are all committed; the committed input states [1, m, H] of its
+        # next slots, not yet run. Module 1's output at the last committed slot [1, 1, H].
+        D = len(self.net.layers)
+        return {"committed": [0] * D, "inputs": [None] * D, "ahead": None}
 
     def new_session(self) -> MTP:
         return MTP(self.net, self.target)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
-        D = len(self.net.layers)
-        self.cache = [KVCache() for _ in range(D)]
-        self.committed = [0] * D  # per module: slots whose inputs are all committed
-        # Per module: the committed input states [1, m, H] of its next slots, not yet run.
-        self.inputs: list[mx.array | None] = [None] * D
-        self.ahead: mx.array | None = None  # module 1's output at the last committed slot [1, 1, H]
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
+        cut_cache(self.cache, b, 0)
+        for name, value in self.new_row().items():
+            getattr(self, name)[b] = value
         return 0
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        for cache, n in zip(self.cache, self.committed):
-            trim_cache([cache], cache.offset - n)
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        for cache, n in zip(self.cache, self.committed[b]):
+            cache.cut(b, n)
         if features:
-            self._push(0, self.target.model.norm(features[0]))
+            self._push(b, 0, self.target.model.norm(features[0]))
 
-    def _push(self, k: int, states: mx.array) -> None:
-        self.inputs[k] = states if self.inputs[k] is None else mx.concatenate([self.inputs[k], states], axis=1)
+    def _push(self, b: int, k: int, states: mx.array) -> None:
+        held = self.inputs[b][k]
+        self.inputs[b][k] = states if held is None else mx.concatenate([held, states], axis=1)
 
-    def _embed(self, tokens: list[int]) -> mx.array:
-        return self.target.model.embed_tokens(mx.array(tokens)[None])  # [1, S, H]
+    def _run(self, k: int, hidden: list[mx.array | None], tokens: list[mx.array | None]) -> list[mx.array | None]:
+        """Module k over each row's slots: states `[1, m, H]` and their next tokens `[m]`
+        (None: nothing for that row), padded into one forward -> each row's outputs."""
+        if all(h is None for h in hidden):
+            return [None] * len(hidden)
+        h, n = padded(hidden)
+        ids, _ = padded([t[None, :, None] if t is not None else None for t in tokens], h.shape[1])
+        cache = self.cache[k]
+        before = list(cache.lengths)
+        x = self.net.layers[k](h, self.target.model.embed_tokens(ids[..., 0]), cache, cache.make_mask(h.shape[1]))
+        for b, (start, m) in enumerate(zip(before, n)):
+            cache.cut(b, start + m)
+        return [x[b : b + 1, :m] if m else None for b, m in enumerate(n)]
 
-    def _extend(self, context: list[int]) -> None:
-        """Run every module over its newly committed slots; module k (0-based) may
-        commit slot i once token i + k + 1 is in `context`."""
-        n = len(context)
-        for k, module in enumerate(self.net.layers):
-            h = self.inputs[k]
-            start = self.committed[k]
-            m = 0 if h is None else min(h.shape[1], n - 1 - k - start)
-            if m <= 0:
-                continue
-            x = module(h[:, :m], self._embed(context[start + k + 1 : start + k + 1 + m]), self.cache[k],
-                       "causal" if m > 1 else None)
-            self.inputs[k] = h[:, m:] if m < h.shape[1] else None
-            self.committed[k] += m
-            if k + 1 < len(self.net.layers):
-                self._push(k + 1, x)
-            if k == 0:
-                self.ahead = x[:, -1:]
+    def _extend(self, contexts: list[list[int]]) -> None:
+        """Run every module over each row's newly committed slots; module k (0-based)
+        may commit slot i once token i + k + 1 is in the row's context."""
+        for k in range(len(self.net.layers)):
+            hidden, tokens, counts = [], [], []
+            for b, context in enumerate(contexts):
+                h, start = self.inputs[b][k], self.committed[b][k]
+                m = 0 if h is None else min(h.shape[1], len(context) - 1 - k - start)
+                counts.append(max(m, 0))
+                hidden.append(h[:, :m] if m > 0 else None)
+                tokens.append(mx.array(context[start + k + 1 : start + k + 1 + m]) if m > 0 else None)
+            outputs = self._run(k, hidden, tokens)
+            for b, (x, m) in enumerate(zip(outputs, counts)):
+                if x is None:
+                    continue
+                h = self.inputs[b][k]
+                self.inputs[b][k] = h[:, m:] if m < h.shape[1] else None
+                self.committed[b][k] += m
+                if k + 1 < len(self.net.layers):
+                    self._push(b, k + 1, x)
+                if k == 0:
+                    self.ahead[b] = x[:, -1:]
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        self._extend(context)
-        n = len(context)
-        if self.ahead is None or self.committed[0] != n - 1:
-            return Draft(mx.array([], dtype=mx.int32))  # no features yet (a one-token prompt)
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        self._extend(contexts)
+        # A row drafts once module 1 has run its slot n - 2 (a one-token prompt brings no features).
+        ks = [k if a is not None and c[0] == len(ctx) - 1 else 0
+              for k, a, c, ctx in zip(ks, self.ahead, self.committed, contexts)]
+        K = max(ks)
+        if K == 0:
+            return [EMPTY() for _ in ks]
         layers = self.net.layers
-        drafted, dists = [], []
-
-        def ids(lo: int, hi: int) -> mx.array:
-            """Tokens lo..hi-1 of the context followed by the drafts (kept lazy) -> `[1, S]`."""
-            parts = [mx.array(context[lo:min(hi, n)], dtype=mx.int32)] if lo < n else []
-            if hi > n:
-                parts.append(mx.stack(drafted[max(lo, n) - n : hi - n]).reshape(-1).astype(mx.int32))
-            return mx.concatenate(parts)[None]
-
-        x = self.ahead  # module 1's output at slot n - 2
-        for d in range(1, k + 1):
+        B = len(ks)
+        drafted: list[list[mx.array]] = [[] for _ in range(B)]  # per row: drafted tokens [1], lazy
+        H = self.net.args.hidden_size
+        x = [a if a is not None else mx.zeros((1, 1, H)) for a in self.ahead]  # module 1's output at slot n - 2
+        tokens, dists = [], []
+        for d in range(1, K + 1):
             j = min(d, len(layers)) - 1  # 0-based module
-            if d > 1 and j == d - 1:
-                # Module d over its slots committed[j] .. n-2: committed inputs, then the
-                # previous module's outputs at the slots it has just run on drafted tokens.
-                start = self.committed[j]
-                fresh = x[:, x.shape[1] - (n - 1 - start - self._pending(j)):]
-                h = fresh if self.inputs[j] is None else mx.concatenate([self.inputs[j], fresh], axis=1)
-                x = layers[j](h, self.target.model.embed_tokens(ids(start + j + 1, n + j)), self.cache[j],
-                              "causal" if h.shape[1] > 1 else None)
-            elif d > 1:
-                # Past the last module: it reads its own output and the token it drafted.
-                x = layers[j](x[:, -1:], self.target.model.embed_tokens(drafted[-1].reshape(1, 1)), self.cache[j])
-            token, lp = draw(layers[j].logits(x[0, -1], self.target), params)
-            drafted.append(token)
+            if d > 1:
+                hidden, ids = [], []
+                for b, (ctx, out) in enumerate(zip(contexts, x)):
+                    n = len(ctx)
+                    if d > ks[b]:  # this row's draft is complete
+                        hidden.append(None)
+                        ids.append(None)
+                    elif j == d - 1:
+                        # Module d over its slots committed .. n - 2: committed inputs, then the previous
+                        # module's outputs at the slots it has just run on drafted tokens.
+                        start, pending = self.committed[b][j], self._pending(b, j)
+                        fresh = out[:, out.shape[1] - (n - 1 - start - pending):]
+                        held = self.inputs[b][j]
+                        hidden.append(fresh if held is None else mx.concatenate([held, fresh], axis=1))
+                        ids.append(self._ids(ctx, drafted[b], start + j + 1, n + j))
+                    else:
+                        # Past the last module: it reads its own output and the token it drafted.
+                        hidden.append(out[:, -1:])
+                        ids.append(drafted[b][-1].astype(mx.int32))
+                x = [new if new is not None else old for new, old in zip(self._run(j, hidden, ids), x)]
+            logits = layers[j].logits(mx.concatenate([out[:, -1] for out in x]), self.target)  # [B, V]
+            token, lp = draw_rows(logits, params)
+            tokens.append(token)
             dists.append(lp)
-        return Draft.chain(drafted, dists)
+            for b in range(B):
+                drafted[b].append(token[b : b + 1])
+        return Draft.steps(tokens, dists, ks)
 
-    def _pending(self, k: int) -> int:
-        return 0 if self.inputs[k] is None else self.inputs[k].shape[1]
+    @staticmethod
+    def _ids(context: list[int], drafted: list[mx.array], lo: int, hi: int) -> mx.array:
+        """Tokens lo..hi-1 of the context followed by the drafts (kept lazy) -> `[hi - lo]`."""
+        n = len(context)
+        parts = [mx.array(context[lo:min(hi, n)], dtype=mx.int32)] if lo < n else []
+        if hi > n:
+            parts.append(mx.concatenate(drafted[max(lo, n) - n : hi - n]).astype(mx.int32))
+        return mx.concatenate(parts)
+
+    def _pending(self, b: int, k: int) -> int:
+        held = self.inputs[b][k]
+        return 0 if held is None else held.shape[1]
 
 
 def mtp_from_checkpoint(path: Path, target: Model) -> MTPNet:

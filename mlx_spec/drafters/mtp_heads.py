@@ -21,15 +21,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import Draft, Drafter, depth_tree
+from mlx_spec.cache import KVCache, cut_cache
+from mlx_spec.drafters.base import EMPTY, Draft, RowStates, depth_tree, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
-from mlx_spec.models.llama import DecoderLayer, Model
+from mlx_spec.models.llama import DecoderLayer, Model, default_mask
 from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
-from mlx_spec.sampling import SamplingParams, draw
+from mlx_spec.sampling import SamplingParams
 
 
 class MTPHeads(nn.Module):
@@ -48,7 +48,7 @@ class MTPHeads(nn.Module):
 
     def head(self, k: int, trunk: mx.array, cache: KVCache | None = None) -> mx.array:
         """Head k's output states `[B, S, H]` for trunk states `[B, S, H]` (causal)."""
-        return self.heads[k](trunk, "causal" if trunk.shape[1] > 1 else None, cache, None)
+        return self.heads[k](trunk, default_mask(trunk.shape[1], [cache] if cache is not None else None), cache, None)
 
     def weights(self) -> dict[str, mx.array]:
         return dict(tree_flatten(self.parameters()))
@@ -75,48 +75,69 @@ def check_mtp_heads_fit(heads: MTPHeads, target: Model, what: str) -> None:
         raise UserError(f"{what}: heads read hidden size {heads.args.hidden_size}, the target's is {target.args.hidden_size}")
 
 
-class MTPHeadsDrafter(Drafter):
-    """A chain of the heads' tokens, or with `budget` a best-first tree of their candidates."""
+class MTPHeadsDrafter(RowStates):
+    """A chain of the heads' tokens, or with `budget` a best-first tree of their
+    candidates; each head runs once a round for every row."""
 
-    name = "mtp-heads"
+    kind = "mtp-heads"
     costly = True
 
     def __init__(self, heads: MTPHeads, target: Model, budget: int | None = None):
         self.heads, self.target, self.budget = heads, target, budget
+        super().__init__()
         self.capture = (target.args.num_hidden_layers,)
-        self.reset([])
+        self.caches = [KVCache(rows=0) for _ in heads.heads]
+
+    def new_row(self) -> dict:
+        # per head: the trunk states it has yet to read; its output at the last committed token
+        n = len(self.heads.heads)
+        return {"pending": [[] for _ in range(n)], "last": [None] * n}
 
     def new_session(self) -> MTPHeadsDrafter:
         return MTPHeadsDrafter(self.heads, self.target, self.budget)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
-        n = len(self.heads.heads)
-        self.caches = [KVCache() for _ in range(n)]
-        self.pending: list[list[mx.array]] = [[] for _ in range(n)]  # trunk states each head has yet to read
-        self.last: list[mx.array | None] = [None] * n  # each head's output at the last committed token
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
+        cut_cache(self.caches, b, 0)
+        for name, value in self.new_row().items():
+            getattr(self, name)[b] = value
         return 0
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         if features:
-            for pending in self.pending:
+            for pending in self.pending[b]:
                 pending.append(features[0])
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
-        k = min(k, len(self.heads.heads))
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        n = len(self.heads.heads)
+        ks = [min(k, n) for k in ks]
+        K = max(ks)
         # Only the heads this round drafts with read the new trunk states; the
         # others catch up when a round needs them, so a short draft costs only its heads.
-        for i in range(k):
-            if self.pending[i]:
-                out = self.heads.head(i, mx.concatenate(self.pending[i], axis=1), self.caches[i])
-                self.pending[i] = []
-                self.last[i] = out[0, -1]
-        if k == 0 or any(self.last[i] is None or self.caches[i].offset != len(context) - 1 for i in range(k)):
-            return Draft(mx.array([], dtype=mx.int32))  # no trunk state yet (a one-token prompt)
-        logits = self.target.head(mx.stack(self.last[:k]))  # [k, V]: head i drafts the token i + 1 ahead
+        for i in range(K):
+            parts = [mx.concatenate(p[i], axis=1) if p[i] and k > i else None for p, k in zip(self.pending, ks)]
+            if all(part is None for part in parts):
+                continue
+            trunk, m = padded(parts)
+            cache = self.caches[i]
+            before = list(cache.lengths)
+            out = self.heads.head(i, trunk, cache)  # [B, m_max, H]
+            for b, (start, count) in enumerate(zip(before, m)):
+                cache.cut(b, start + count)
+                if count:
+                    self.pending[b][i] = []
+                    self.last[b][i] = out[b, count - 1]
+        # A row drafts once each head it drafts with has read its trunk (a one-token prompt has none).
+        ks = [k if all(last[i] is not None and self.caches[i].lengths[b] == len(c) - 1 for i in range(k)) else 0
+              for b, (k, last, c) in enumerate(zip(ks, self.last, contexts))]
+        K = max(ks)
+        if K == 0:
+            return [EMPTY() for _ in ks]
+        H = self.heads.args.hidden_size
+        states = mx.stack([mx.stack([s if s is not None else mx.zeros((H,)) for s in last[:K]])
+                           for last in self.last])  # [B, K, H]
+        logits = self.target.head(states)  # [B, K, V]: head i drafts the token i + 1 ahead
         if self.budget is not None:
-            return depth_tree(logits, k, budget=self.budget)
+            return [depth_tree(logits[b], k, budget=self.budget) if k else EMPTY() for b, k in enumerate(ks)]
         # The heads predict independently: each draft is drawn from its own head's distribution.
-        tokens, lp = draw(logits, params)
-        tokens = tokens.astype(mx.int32)
-        mx.eval(tokens, lp)
-        return Draft(tokens, lp)
+        tokens, lp = draw_rows(logits, params)
+        return Draft.rows(tokens, lp, ks)

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_spec.cache import KVCache, make_cache
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.errors import UserError
-from mlx_spec.models.llama import Model
+from mlx_spec.models.llama import Model, default_mask
 
 # Calibration tokens per prompt: the search's forwards cost grows with them,
 # and a long prompt's tail says as much about agreement as all of it.
@@ -44,13 +44,13 @@ class SkipView:
         self.skip = sorted(set(skip))
         self.kept = [i for i in range(target.args.num_hidden_layers) if i not in self.skip]
 
-    def make_cache(self) -> list[KVCache]:
-        return make_cache(len(self.kept))
+    def make_cache(self, rows: int = 1) -> list[KVCache]:
+        return make_cache(len(self.kept), rows)
 
     def __call__(self, tokens: mx.array, cache: Sequence[KVCache] | None = None) -> tuple[mx.array, tuple]:
         """`tokens` [B, S] -> (logits [B, S, V], no hidden states)."""
         h = self.target.model.embed_tokens(tokens)  # [B, S, H]
-        mask = "causal" if tokens.shape[1] > 1 else None
+        mask = default_mask(tokens.shape[1], cache)
         for j, i in enumerate(self.kept):
             h = self.target.layers[i](h, mask, cache[j] if cache is not None else None, None)
         return self.target.head(h), ()
@@ -135,7 +135,7 @@ class SkipDrafter(DraftModel):
     searched on the first prompt `reset` sees (and written to `save_to`, if
     given), then kept for every later generation and session."""
 
-    name = "skip"
+    kind = "skip"
 
     def __init__(self, target: Model, skip: Sequence[int] | None = None, save_to: Path | None = None):
         self.target, self.save_to = target, save_to
@@ -150,14 +150,15 @@ class SkipDrafter(DraftModel):
     def new_session(self) -> SkipDrafter:
         return SkipDrafter(self.target, self.skip, self.save_to)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         if not self.searched:
             skip = search_skip(self.target, [prompt])
             if self.save_to is not None:
                 save_skip_set(self.save_to, skip, self.target)
             self.model, self.searched = SkipView(self.target, skip), True
-            self.cache, self.cached = self.model.make_cache(), []
-        return super().reset(prompt, cached)
+            self.cache = self.model.make_cache(self.rows)
+            self.cached = [[] for _ in range(self.rows)]
+        return super().restart(b, prompt, cached)
 
 
 def skip_drafter(target: Model, spec: str | None = None) -> SkipDrafter:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, HostDrafter
 from mlx_spec.errors import UserError
 from mlx_spec.sampling import SamplingParams
 
@@ -29,14 +29,12 @@ class SuffixTrie:
         self.continuations = [0]  # occurrences that were followed by a token
         self.best = [-1]  # most frequent child node, -1 if none
         self.best_token = [-1]
-        self.active = [0]  # nodes of the current document's suffixes, by depth
 
-    def start_document(self) -> None:
-        self.active = [0]
-
-    def append(self, token: int) -> None:
-        active = [0]
-        for node in self.active:
+    def append(self, active: list[int], token: int) -> list[int]:
+        """Count `token` after a document's suffixes (`active`: their nodes, by
+        depth; `[0]` for a new document); returns the suffixes it ends with."""
+        grown = [0]
+        for node in active:
             if self.depth[node] >= self.max_depth:
                 continue
             key = (node, token)
@@ -53,12 +51,12 @@ class SuffixTrie:
             best = self.best[node]
             if best < 0 or self.count[child] > self.count[best]:
                 self.best[node], self.best_token[node] = child, token
-            active.append(child)
-        self.active = active
+            grown.append(child)
+        return grown
 
-    def longest_match(self) -> int:
-        """The deepest suffix node of the current document that has a continuation."""
-        for node in reversed(self.active):
+    def longest_match(self, active: list[int]) -> int:
+        """The deepest of a document's suffix nodes that has a continuation."""
+        for node in reversed(active):
             if self.best[node] >= 0:
                 return node
         return 0
@@ -76,34 +74,36 @@ class SuffixTrie:
         return 0
 
 
-class SuffixDecoding(Drafter):
-    name = "suffix"
+class SuffixDecoding(HostDrafter):
+    """Rows share the trie (everything the session has seen); each has its own suffixes."""
+
+    kind = "suffix"
 
     def __init__(self, max_depth: int = 24, alpha: float = 2.0, min_prob: float = 0.1):
+        super().__init__()
         if max_depth < 2 or alpha <= 0 or not 0 <= min_prob < 1:
             raise UserError("--drafter suffix: need max_depth >= 2, alpha > 0, 0 <= min_prob < 1")
         self.trie = SuffixTrie(max_depth)
         self.alpha, self.min_prob = alpha, min_prob
-        self.seen = 0
 
     def new_session(self) -> SuffixDecoding:
         return SuffixDecoding(self.trie.max_depth, self.alpha, self.min_prob)
 
-    def reset(self, prompt: list[int], cached: int = 0) -> int:
-        # Earlier generations of the session stay in the trie.
-        self.trie.start_document()
-        self.seen = 0
-        self.commit(prompt)
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
+        # Earlier generations of the session stay in the trie: a new document starts.
+        self.states[b] = ([0], 0)  # (the row's suffix nodes, tokens of its context counted)
+        self.commit(b, prompt)
         return cached
 
-    def commit(self, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        for token in context[self.seen :]:
-            self.trie.append(token)
-        self.seen = len(context)
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        active, seen = self.states[b]
+        for token in context[seen:]:
+            active = self.trie.append(active, token)
+        self.states[b] = (active, len(context))
 
-    def propose(self, context: list[int], k: int, params: SamplingParams) -> Draft:
+    def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
         trie = self.trie
-        node = trie.longest_match()
+        node = trie.longest_match(self.states[b][0])
         limit = min(k, int(self.alpha * trie.depth[node]))
         tail = context[-trie.max_depth :]
         tokens: list[int] = []

@@ -7,9 +7,10 @@ without renaming. The forward follows mlx-spec's target contract:
                            capture=(), exit_layer=None)
 
 - `positions` `[B, S]` or `[S]`: per-token RoPE positions (tree nodes share
-  depths); default: the cache offset onwards.
+  depths); default: each row's cache length onwards.
 - `mask`: boolean, True = attend, broadcastable to `[B, 1, S, cached + S]`,
-  or a `TreeMask` (the new tokens' parents) for tree attention; default causal.
+  or a `TreeMask` (the new tokens' parents) for tree attention; default: the
+  cache's (each row sees its own cache, and its new tokens causally).
 - `capture`: indices into Hugging Face's `hidden_states`: 0 is the embedding
   output, i is the output of layer i - 1 (the input of layer i), and
   `num_hidden_layers` is the last layer's output before the final norm.
@@ -183,13 +184,13 @@ class Model(nn.Module):
         """Training: recompute each layer's activations in the backward pass."""
         self._grad_checkpoint = True
 
-    def make_cache(self, capacity: int = 0) -> list[KVCache]:
-        return make_cache(len(self.layers), capacity)
+    def make_cache(self, rows: int = 1) -> list[KVCache]:
+        return make_cache(len(self.layers), rows)
 
     def run_layers(self, h: mx.array, cache: Sequence[KVCache], layers: range) -> mx.array:
         """Layers `layers` only, over `h` `[B, S, H]` (causal), each with its cache
         (LayerSkip drafts with the first ones and verifies with the rest)."""
-        mask = "causal" if h.shape[1] > 1 else None
+        mask = cache[layers[0]].make_mask(h.shape[1])
         for i in layers:
             h = self.layers[i](h, mask, cache[i], None)
         return h
@@ -219,8 +220,8 @@ class Model(nn.Module):
         if any(not 0 <= i <= n_layers for i in capture):
             raise ValueError(f"capture indices must be in 0..{n_layers}, got {list(capture)}")
         h = self.model.embed_tokens(tokens)  # [B, S, H]
-        if mask is None and tokens.shape[1] > 1:
-            mask = "causal"
+        if mask is None:
+            mask = default_mask(tokens.shape[1], cache)
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
         for i in range(n_layers):
@@ -231,6 +232,13 @@ class Model(nn.Module):
                 h = layer(h, mask, cache[i] if cache is not None else None, positions)
             states[i + 1] = h
         return self.head(h), tuple(states[i] for i in capture)
+
+
+def default_mask(S: int, cache: Sequence[KVCache] | None):
+    """Causal over S new tokens; with a cache, its mask (rows of different lengths)."""
+    if cache is not None:
+        return cache[0].make_mask(S)
+    return "causal" if S > 1 else None
 
 
 def _checkpointed(layer: DecoderLayer, h: mx.array, mask, positions) -> mx.array:

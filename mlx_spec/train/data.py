@@ -175,10 +175,10 @@ def regenerate(target, examples: list[Example], seq_len: int, eos: set[int],
     so a drafter learns what the target itself says. Examples without a prompt
     stay as they are. `batch_size` answers are written at once (continuous
     batching: a finished row's place goes to the next example)."""
-    from mlx_spec.batch import BatchDecoder
+    from mlx_spec.decoding import Decoder
 
     params = params or SamplingParams()
-    decoder = BatchDecoder(target)
+    decoder = Decoder(target)
     answers: dict[int, list[int]] = {}
     pending = [i for i, ex in enumerate(examples) if ex.prompt_len]
     while pending or decoder.rows:

@@ -188,7 +188,7 @@ def student_continuations(student, tokens: mx.array, prompt_len: int, key: mx.ar
     `[B, S] -> [B, S]`; batched decoding with a KV cache, no gradients.
     """
     B, S = tokens.shape
-    cache = student.make_cache(S)
+    cache = student.make_cache(rows=B)
     logits, _ = student(tokens[:, :prompt_len], cache)
     out = [tokens[:, :prompt_len]]
     keys = mx.random.split(key, S - prompt_len)

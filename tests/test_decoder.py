@@ -1,11 +1,9 @@
-"""Batched speculative decoding: every row produces what it would alone."""
+"""The decoder with many rows: every row produces what it would alone."""
 
 import mlx.core as mx
 import pytest
 
-from mlx_spec.batch import BatchCache, BatchDecoder, BatchPolicy, Row
-from mlx_spec.cache import KVCache
-from mlx_spec.decoding import DraftLength, plain_steps
+from mlx_spec.decoding import Decoder, plain_steps
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config
 from mlx_spec.drafters.lookup import PromptLookup
@@ -36,7 +34,7 @@ def test_rows_with_different_drafters_produce_what_they_would_alone(target, chec
     V = target.args.vocab_size
     drafters = [PromptLookup(1, 3), DraftModel(other, V), None, Eagle(eagle, target, budget=6, topk=2, depth=3)]
     lengths = [20, 9, 14, 17]
-    decoder = BatchDecoder(target)
+    decoder = Decoder(target)
     out = {i: [] for i in range(4)}
     # Rows 0 and 1 start; 2 and 3 join a few rounds later; each leaves at its own length.
     for i in (0, 1):
@@ -56,34 +54,20 @@ def test_rows_with_different_drafters_produce_what_they_would_alone(target, chec
         assert out[i] == alone(target, PROMPTS[i], lengths[i]), i
 
 
-def test_a_longer_prompt_joins_the_batch():
-    """A row whose prompt needs more room than the batch has grows every row's cache."""
-    cache = BatchCache(step=4)
-    rows = []
-    for n in (3, 9, 2):
-        single = KVCache()
-        k = mx.random.normal((1, 2, n, 8))
-        single.update_and_fetch(k, -k)
-        cache.add(single)
-        rows.append(k)
-    assert cache.keys.shape == (3, 2, 12, 8) and cache.lengths == [3, 9, 2]
-    for b, k in enumerate(rows):
-        n = k.shape[2]
-        assert mx.array_equal(cache.keys[b : b + 1, :, :n], k) and mx.array_equal(cache.values[b : b + 1, :, :n], -k)
-
-
 def policy_rounds(accepted_per_draft: float, rounds: int = 300) -> list[int]:
     """K chosen each round by a policy for 8 rows whose drafts look good to
-    the model (acceptance prior 0.8, flat verification cost) while each round
-    in fact yields `accepted_per_draft` tokens per drafted one."""
-    policy = BatchPolicy(k_max=4)
-    rows = [Row(i, [1], GREEDY, 10**6, drafter=object(), length=DraftLength(4, adaptive=True)) for i in range(8)]
+    the model (every draft reported accepted, flat verification cost) while
+    each round in fact yields `accepted_per_draft` tokens per drafted one."""
+    from mlx_spec.policy import Policy
+
+    policy = Policy(k_max=4)
+    keys, drafters = list(range(8)), [PromptLookup()] * 8
     chosen = []
     for _ in range(rounds):
-        k = policy.next(rows)
-        tokens = len(rows) * (1 + accepted_per_draft * k)
+        k = policy.choose(keys, drafters, [10**6] * 8)[0]
+        tokens = len(keys) * (1 + accepted_per_draft * k)
         seconds = 0.01 * (1 + 0.1 * k)
-        policy.record(len(rows), k, k + 1, tokens, seconds, seconds)
+        policy.record(keys, [k] * 8, [k] * 8, k + 1, tokens, seconds, seconds, {id(drafters[0]): (0.0, k)})
         chosen.append(k)
     return chosen[rounds // 3 :]
 
@@ -100,8 +84,10 @@ def test_batch_policy_turns_speculation_off_where_plain_rounds_are_faster():
 def test_self_speculation_is_refused(target):
     from mlx_spec.drafters.layerskip import LayerSkip
 
-    with pytest.raises(UserError, match="cannot be batched"):
-        BatchDecoder(target).add(0, PROMPTS[0], GREEDY, 4, LayerSkip(target, 1))
+    decoder = Decoder(target)
+    decoder.add(0, PROMPTS[0], GREEDY, 4)
+    with pytest.raises(UserError, match="one sequence at a time"):
+        decoder.add(1, PROMPTS[1], GREEDY, 4, LayerSkip(target, 1))
 
 
 def batch_tv(target, draft, p, params, rows=12):
@@ -109,9 +95,10 @@ def batch_tv(target, draft, p, params, rows=12):
     mx.random.seed(0)
     counts = dict.fromkeys(p, 0)
     for start in range(0, N, rows):
-        decoder = BatchDecoder(target, k_max=3)
+        decoder = Decoder(target, k_max=3)
+        drafters = [DraftModel(draft, V), PromptLookup(1, 3)]  # half the rows each, batched per drafter
         for i in range(rows):
-            decoder.add(i, STAT_PROMPT, params, 3, DraftModel(draft, V) if i % 2 == 0 else PromptLookup(1, 3))
+            decoder.add(i, STAT_PROMPT, params, 3, drafters[i % 2])
         out = {i: [] for i in range(rows)}
         while decoder.rows:
             for key, event in decoder.step().items():
@@ -122,7 +109,7 @@ def batch_tv(target, draft, p, params, rows=12):
 
 
 def test_sampled_rows_have_the_targets_distribution(monkeypatch):
-    import mlx_spec.batch as batch
+    import mlx_spec.sampling as sampling
     from test_speculative import resample_from_target
 
     target, draft = tiny(0, V, logit_scale=0.3), tiny(1, V, logit_scale=0.3, rope_theta=100.0)
@@ -130,5 +117,5 @@ def test_sampled_rows_have_the_targets_distribution(monkeypatch):
     p = exact_joint(target, STAT_PROMPT, params, 3)
     bound = tv_bound(p, N)
     assert batch_tv(target, draft, p, params) < bound
-    monkeypatch.setattr(batch, "accept_sampled", resample_from_target)  # a wrong rule fails the same check
+    monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)  # a wrong rule fails the same check
     assert batch_tv(target, draft, p, params) > bound
