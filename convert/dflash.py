@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
-from mlx_spec.convert.readers import read_safetensors
+from mlx_spec.weights import read_safetensors
 from mlx_spec.drafters.dflash import DFlashNet, check_dflash_fits
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config

@@ -40,7 +40,7 @@ import numpy as np
 from mlx_spec import hub
 from mlx_spec.convert import llama
 from mlx_spec.convert.family import Converted, Source
-from mlx_spec.convert.readers import read_weights
+from mlx_spec.weights import read_weights
 from mlx_spec.drafters.eagle import EagleNet, check_eagle_fits
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config

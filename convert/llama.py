@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
-from mlx_spec.convert.readers import read_weights
+from mlx_spec.weights import read_weights
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ARCHITECTURES, parse_config
 from mlx_spec.files import SIDE_FILES, side_files

@@ -22,8 +22,8 @@ import mlx.core as mx
 
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
-from mlx_spec.convert.readers import Weights, read_safetensors_file, read_torch_file
-from mlx_spec.drafters import check_medusa_fits
+from mlx_spec.weights import Weights, read_safetensors_file, read_torch_file
+from mlx_spec.drafters.medusa import check_medusa_fits
 from mlx_spec.drafters.medusa import MedusaHeads
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config

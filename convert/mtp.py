@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_spec.convert.readers import read_safetensors_file
+from mlx_spec.weights import read_safetensors_file
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 
@@ -163,3 +163,20 @@ def convert_mtp(source_dir: str | Path, out_dir: str | Path, target_config: dict
     config = mtp_config(layout, weights, target_config)
     write_model_files(out_dir, config, weights)
     return config
+
+
+def target_mtp(path: Path, target) -> "MTPNet":
+    """The MTP modules a target's own checkpoint holds, read from the shards that hold them."""
+    from mlx.utils import tree_flatten
+
+    from mlx_spec.drafters.mtp import MTPNet
+    from mlx_spec.models.load import check_weights, read_json
+
+    target_config = read_json(path / "config.json")
+    layout, weights = read_mtp(path, target_config)
+    net = MTPNet(mtp_config(layout, weights, target_config), str(path / "config.json"))
+    check_weights(dict(tree_flatten(net.parameters())), weights, {k: path for k in weights}, path, "MTP modules")
+    dtype = mx.float32 if target.model.embed_tokens.weight.dtype == mx.float32 else None
+    net.load_weights([(k, v.astype(dtype) if dtype else v) for k, v in weights.items()])
+    mx.eval(net.parameters())
+    return net

@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_spec.decoding import StepEvent, plain_steps, speculative_steps
+from mlx_spec.policy import expected_tokens
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import Metrics
 from mlx_spec.sampling import SamplingParams
@@ -144,8 +145,7 @@ def predict(m: Metrics, step_time: float, measured: float) -> tuple[float | None
         return None, "a tree: the formula is for chains"
     K = m.positions / m.drafting_rounds
     c = m.draft_time / m.positions / step_time
-    a = min(m.alpha, 1 - 1e-9)
-    predicted = (1 - a ** (K + 1)) / (1 - a) / (K * c + 1)
+    predicted = expected_tokens(m.alpha, K) / (K * c + 1)
     if abs(predicted / measured - 1) <= 0.25:
         return predicted, ""
     verify = m.verify_time / m.steps / step_time  # one verification in plain steps
@@ -248,16 +248,18 @@ def drafter_options(entry: str, args: argparse.Namespace) -> tuple[str, dict]:
     return spec, options
 
 
-def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> tuple[dict[str, Runner], dict]:
+def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], dict]:
     """The methods to measure, by row name; and our drafters by row name (None: plain)."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_spec.drafters import TREE_KINDS, make_drafter
+    from mlx_spec import api
+    from mlx_spec.drafters import TREE_KINDS
     from mlx_spec.drafters.draft_model import DraftModel
 
-    ref_model, _ = mlx_lm_load(str(path))
+    model = target.model
+    ref_model, _ = mlx_lm_load(str(target.path))
     runners: dict[str, Runner] = {
         PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n),
         "mlx-lm": lambda prompt, p, n: _mlx_lm_events(
@@ -271,9 +273,8 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> tupl
             continue
         spec, options = drafter_options(entry, args)
         budget = options["tree-budget"] if spec.partition("=")[0] in TREE_KINDS else None
-        drafter = make_drafter(spec, model, tokenizer, args.revision, tree_budget=budget,
-                               depth=options["depth"], topk=options["topk"], target_source=args.model,
-                               block_size=options["block-size"])
+        drafter = api.drafter(spec, target, revision=args.revision, tree_budget=budget, depth=options["depth"],
+                              topk=options["topk"], block_size=options["block-size"])
 
         def spec_run(prompt, p, n, drafter=drafter, k=options["num-draft"]):
             return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k)
@@ -297,18 +298,17 @@ def make_runners(args: argparse.Namespace, model, tokenizer, path: Path) -> tupl
 
 def run_bench(args: argparse.Namespace) -> dict:
     """Measure every method at every temperature; the report as a dict."""
-    from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec import api
 
     if args.repeats < 1 or args.max_tokens < 2:
         raise UserError("--repeats must be >= 1 and --max-tokens >= 2")
     if args.num_prompts < 0:
         raise UserError(f"--num-prompts must be >= 0, got {args.num_prompts}")
     sizes = batch_sizes(args.concurrency) if args.concurrency else []
-    model, path = load_model(args.model, args.revision)
-    tokenizer = load_tokenizer(path)
-    prompts = load_prompts(args, tokenizer)
-    runners, drafters = make_runners(args, model, tokenizer, path)
+    target = api.load(args.model, args.revision)
+    model = target.model
+    prompts = load_prompts(args, target.tokenizer)
+    runners, drafters = make_runners(args, target)
     n = args.max_tokens
 
     rows: list[Row] = []

@@ -65,15 +65,9 @@ def _check_think(args: argparse.Namespace, tokenizer) -> None:
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--drafter",
-        default="none",
-        help="none | lookup | suffix | draft=PATH_OR_REPO | medusa=PATH_OR_REPO | eagle=PATH_OR_REPO | "
-             "eagle3=PATH_OR_REPO | dflash[=PATH_OR_REPO] | layerskip[=E] | skip[=3,5,7|FILE.json] | "
-             "mtp-heads=PATH | mtp=PATH (default: none, plain decoding; dflash alone: the drafter published for "
-             "--model; layerskip alone: the best exit layer for the prompt; skip alone: the layers to skip, "
-             "searched on the prompt (FILE.json: loaded, or searched and saved there))",
-    )
+    from mlx_spec.drafters import usage
+
+    p.add_argument("--drafter", default="none", help=usage())
     p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
     p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
     p.add_argument("--ngram-max", type=int, default=4, help="lookup: longest n-gram to match")
@@ -119,12 +113,9 @@ def _tree_paths(value: str | None) -> list[list[int]] | None:
     return paths
 
 
-def _steps(args: argparse.Namespace, model, tokenizer):
-    """The decoding loop the flags ask for, as `steps(model, prompt, params, max_tokens)`."""
-    from functools import partial
-
-    from mlx_spec.decoding import plain_steps, speculative_steps
-    from mlx_spec.drafters import make_drafter
+def _drafter(args: argparse.Namespace, target):
+    """The drafter the flags ask for (None: plain decoding)."""
+    from mlx_spec import api
 
     if args.num_draft is not None and args.num_draft < 1:
         raise UserError(f"--num-draft must be >= 1, got {args.num_draft}")
@@ -134,41 +125,33 @@ def _steps(args: argparse.Namespace, model, tokenizer):
         raise UserError("--tree and --tree-budget: give one of them")
     if args.depth < 1 or args.topk < 1:
         raise UserError(f"--depth and --topk must be >= 1, got {args.depth}, {args.topk}")
-    drafter = make_drafter(
-        args.drafter, model, tokenizer, args.revision, (args.ngram_min, args.ngram_max),
-        _tree_paths(args.tree), args.tree_budget, args.depth, args.topk, args.model, args.block_size,
-    )
-    if drafter is None:
-        return plain_steps
-    return partial(speculative_steps, drafter=drafter, num_draft=args.num_draft, acceptance=args.acceptance)
+    return api.drafter(args.drafter, target, revision=args.revision, ngram=(args.ngram_min, args.ngram_max),
+                       tree_paths=_tree_paths(args.tree), tree_budget=args.tree_budget, depth=args.depth,
+                       topk=args.topk, block_size=args.block_size)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from mlx_spec.generate import Generation, stream_generate
-    from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import encode_prompt, load_tokenizer, thinking_args
+    from mlx_spec import api
+    from mlx_spec.generate import Generation
 
     params = _sampling(args)
     if args.check and not params.greedy:
         raise UserError("--check compares with plain greedy decoding: use it with --temp 0")
-    model, path = load_model(args.model, args.revision)
-    tokenizer = load_tokenizer(path)
-    steps = _steps(args, model, tokenizer)
-    _check_think(args, tokenizer)
+    target = api.load(args.model, args.revision)
+    drafter = _drafter(args, target)
+    _check_think(args, target.tokenizer)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    ids = encode_prompt(tokenizer, prompt, not args.no_chat_template, thinking_args(args.think))
+    ids = api.prompt_ids(target, prompt, not args.no_chat_template, args.think)
     if not ids:
         raise UserError("--prompt: the prompt is empty")
     result = Generation(prompt_tokens=ids)
-    for segment in stream_generate(model, tokenizer, ids, params, args.max_tokens, result, steps):
+    for segment in api.stream(target, ids, drafter, params=params, max_tokens=args.max_tokens,
+                              num_draft=args.num_draft, acceptance=args.acceptance, result=result):
         if not args.json:
             print(segment, end="", flush=True)
     identical = None
     if args.check:
-        plain = Generation(prompt_tokens=ids)
-        for _ in stream_generate(model, tokenizer, ids, params, args.max_tokens, plain):
-            pass
-        identical = plain.tokens == result.tokens
+        identical = api.generate(target, ids, params=params, max_tokens=args.max_tokens).tokens == result.tokens
     m = result.metrics
     if args.json:
         out = {

@@ -26,10 +26,10 @@ import numpy as np
 from mlx_spec import tree
 from mlx_spec.attention import TreeMask
 from mlx_spec.cache import KVCache, cut_cache, keep_cache, trim_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Drafter
+from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
 from mlx_spec.policy import Policy
-from mlx_spec.sampling import SamplingParams, accept, sample
+from mlx_spec.sampling import SamplingParams, accept
 
 PREFILL_STEP = 512
 
@@ -171,7 +171,7 @@ class Decoder:
             proposed = drafter.propose([rows[b].context for _, b in members], [ks[b] for _, b in members],
                                        [rows[b].params for _, b in members])
             for (_, b), draft in zip(members, proposed):
-                drafts[b] = _depth_limited(draft, ks[b]) if draft.parents is not None else draft
+                drafts[b] = draft.to_depth(ks[b])  # a round never commits more than k + 1 tokens
             draft_times[id(drafter)] = (time.perf_counter() - t0, max(ks[b] for _, b in members))
         mid = time.perf_counter()
         capture = tuple(sorted({i for r in rows if r.drafter is not None for i in r.drafter.capture}))
@@ -258,16 +258,7 @@ class Decoder:
     def _plain_forward(self, tokens: mx.array) -> mx.array:
         """The next token of every row `[B]` after `tokens` `[B, 1]` (lazy)."""
         logits, _ = self.model(tokens, self.cache)  # [B, 1, V]
-        groups: dict[SamplingParams, list[int]] = {}
-        for b, r in enumerate(self.rows):
-            groups.setdefault(r.params, []).append(b)
-        if len(groups) == 1:
-            return sample(logits[:, -1], self.rows[0].params)
-        y = [None] * len(self.rows)
-        for p, members in groups.items():
-            for b, t in zip(members, sample(logits[mx.array(members), -1], p)):
-                y[b] = t
-        return mx.stack(y)
+        return draw_rows(logits[:, -1], [r.params for r in self.rows])[0]
 
     def _unqueue(self) -> None:
         """Rows change: a queued plain round no longer fits the batch."""
@@ -279,16 +270,6 @@ class Decoder:
         if not self.keep_finished:
             for r in [r for r in self.rows if r.produced >= r.max_tokens]:
                 self.remove(r.key)
-
-
-def _depth_limited(draft: Draft, k: int) -> Draft:
-    """A tree cut to depth <= k, so a round never commits more than k + 1 tokens."""
-    keep = tree.truncate(draft.parents, k)
-    if len(keep) == len(draft):
-        return draft
-    idx = mx.array(keep)
-    lp = draft.log_probs[idx] if draft.log_probs is not None else None
-    return Draft(draft.tokens[idx], lp, tree.subtree(draft.parents, keep))
 
 
 def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,

@@ -23,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round of k drafts yields when each is accepted with probability alpha."""
-    alpha = min(alpha, 0.999)
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a round of k drafts yields when each is accepted with probability
+    alpha: 1 + alpha + ... + alpha^k."""
+    if alpha >= 1:
+        return k + 1.0
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 

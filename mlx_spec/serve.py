@@ -346,13 +346,11 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None) -> None:
     """Load the model and drafter, then serve until interrupted."""
-    from mlx_spec.drafters import make_drafter
-    from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec import api
 
-    model, path = load_model(model_name, revision)
-    tokenizer = load_tokenizer(path)
-    drafter = make_drafter(drafter_spec, model, tokenizer, revision, target_source=model_name)
+    target = api.load(model_name, revision)
+    model, tokenizer = target.model, target.tokenizer
+    drafter = api.drafter(drafter_spec, target, revision=revision)
     if drafter is not None and drafter.one_row:
         raise UserError(f"--drafter {drafter_spec}: it drafts into the target's own cache and decodes one "
                         "sequence at a time; serve another drafter")

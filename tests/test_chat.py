@@ -654,3 +654,17 @@ def test_a_think_block_in_a_loaded_answer_is_drawn_apart(tmp_path):
         assert "Reasoning" in rows and "Let me see." not in rows and "<think>" not in rows
 
     run_app(app, script)
+
+
+def test_drafter_alone_lists_the_kinds_the_registry_holds(checkpoints):
+    from mlx_spec.drafters import REGISTRY
+
+    app = ChatApp(str(checkpoints["qwen3"]))
+
+    async def script(pilot):
+        app.query_one("#prompt").insert("/drafter")
+        await pilot.press("enter")
+        await until(pilot, lambda: all(k.usage in "\n".join(screen.lines(app)) for k in REGISTRY.values()),
+                    lambda: "\n".join(screen.lines(app)), timeout=10)
+
+    run_app(app, script, size=(160, 60))

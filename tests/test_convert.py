@@ -20,9 +20,10 @@ import pytest
 
 from mlx_spec import files
 from mlx_spec.cli import main
-from mlx_spec.convert import pipeline, readers
-from mlx_spec.convert.readers import read_safetensors, read_safetensors_file, read_torch, read_torch_file
-from mlx_spec.convert.registry import find_drafter, model_key
+from mlx_spec import weights as readers
+from mlx_spec.convert import pipeline
+from mlx_spec.weights import read_safetensors, read_safetensors_file, read_torch, read_torch_file
+from mlx_spec.published import find_drafter, model_key
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.testing import make_checkpoint, make_tokenizer
@@ -111,7 +112,7 @@ def test_zip_rewritten_without_alignment_reads_the_same(tmp_path):
 
 def test_readers_never_import_torch():
     code = (
-        "import sys; from pathlib import Path; from mlx_spec.convert import readers, pipeline; "
+        "import sys; from pathlib import Path; from mlx_spec import weights as readers; from mlx_spec.convert import pipeline; "
         f"w = readers.read_torch_file(Path({str(TENSORS / 'legacy.bin')!r})); [w[k] for k in w]; "
         f"w = readers.read_torch_file(Path({str(TENSORS / 'zip.bin')!r})); [w[k] for k in w]; "
         "assert 'torch' not in sys.modules, 'torch imported'"

@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_one_line_error
 from helpers import cli as run
 from mlx_spec import demo, hub
-from mlx_spec.convert.registry import find_drafter, is_demo
+from mlx_spec.published import find_drafter, is_demo
 from mlx_spec.errors import UserError
 
 # Every kind that drafts for the demo target with no source given.
@@ -50,7 +50,7 @@ def test_each_demo_drafter_is_lossless(targets, kind):
 
     name = "demo-layerskip" if kind == "layerskip" else "demo"
     model, tokenizer = targets[name]
-    drafter = make_drafter(kind, model, tokenizer, target_source=name)
+    drafter = make_drafter(kind, model, tokenizer=tokenizer, target_source=name)
     greedy = SamplingParams()
     for prompt in (encode_prompt(tokenizer, CODE, chat_template=False),
                    encode_prompt(tokenizer, "Write a Python function `is_prime`: Return True if n is prime.")):

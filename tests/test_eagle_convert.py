@@ -15,7 +15,7 @@ import pytest
 
 from mlx_spec.cache import KVCache
 from mlx_spec.cli import main
-from mlx_spec.convert.readers import read_safetensors_file, read_torch_file
+from mlx_spec.weights import read_safetensors_file, read_torch_file
 from mlx_spec.drafters.eagle import load_eagle
 from mlx_spec.models import load_model
 from mlx_spec.testing import make_checkpoint

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_spec.cli import main
-from mlx_spec.convert.readers import read_torch_file
+from mlx_spec.weights import read_torch_file
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.medusa import load_medusa
@@ -75,7 +75,7 @@ def test_converted_heads_decode_losslessly(converted, target):
     assert json.loads(gen.stdout)["identical_to_plain"] is True
 
     model, path = load_model(str(target))
-    drafter = make_drafter(f"medusa={converted}", model, load_tokenizer(path))
+    drafter = make_drafter(f"medusa={converted}", model, tokenizer=load_tokenizer(path))
     prompts = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7]]
     accepted = 0
     for prompt, max_tokens in itertools.product(prompts, (1, 5, 40)):

@@ -47,12 +47,12 @@ def case(request, tmp_path_factory):
 def test_the_checkpoints_own_modules_draft(layout):
     """The target loads from the whole checkpoint (its MTP tensors set aside), and
     `--drafter mtp` with no source drafts with those modules, losslessly."""
-    from mlx_spec.drafters import make_drafter
+    from mlx_spec import api
     from mlx_spec.sampling import SamplingParams
 
-    path = str(FIXTURES / layout)
-    target, _ = load_model(path)
-    drafter = make_drafter("mtp", target, target_source=path)
+    path = FIXTURES / layout  # weights and config only: no tokenizer to load
+    target, _ = load_model(str(path))
+    drafter = api.drafter("mtp", api.Target(target, None, path, str(path)))
     greedy = SamplingParams()
     for prompt in ([1, 5, 9, 13, 17], [3]):
         plain = [t for e in plain_steps(target, prompt, greedy, 16) for t in e.tokens]

@@ -257,14 +257,14 @@ def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
     tokenizer = load_tokenizer(checkpoints["qwen3"])
     target, _ = load_model(str(checkpoints["qwen3"]))
     with pytest.raises(UserError, match="tokenizer differs"):
-        make_drafter(f"draft={other}", target, tokenizer)
-    assert make_drafter(f"draft={checkpoints['llama']}", target, tokenizer) is not None
+        make_drafter(f"draft={other}", target, tokenizer=tokenizer)
+    assert make_drafter(f"draft={checkpoints['llama']}", target, tokenizer=tokenizer) is not None
     with pytest.raises(UserError, match="--drafter"):
-        make_drafter("eagle9", target, tokenizer)
+        make_drafter("eagle9", target, tokenizer=tokenizer)
     with pytest.raises(UserError, match="draft=PATH"):
-        make_drafter("draft", target, tokenizer)
+        make_drafter("draft", target, tokenizer=tokenizer)
     with pytest.raises(UserError, match="medusa=PATH"):
-        make_drafter("medusa", target, tokenizer)
+        make_drafter("medusa", target, tokenizer=tokenizer)
 
 
 def one_row_policy(k_drafted, accepted, draft_time, verify_time, rounds=30):

@@ -285,8 +285,13 @@ class ChatApp(App):
             self.note(HELP)
         elif name == "/drafter":
             if not arg:
-                raise UserError("/drafter: give a drafter, e.g. /drafter dflash or /drafter none")
-            self.engine.submit(engine.SetDrafter(arg))
+                from mlx_spec.drafters import REGISTRY
+
+                kinds = "\n".join(f"- `{k.usage}`: {k.summary}" + (f" (alone: {k.alone})" if k.alone else "")
+                                  for k in REGISTRY.values())
+                self.note(f"**Drafters** (`/drafter SPEC`, `/drafter none` for plain decoding)\n\n{kinds}")
+            else:
+                self.engine.submit(engine.SetDrafter(arg))
         elif name in ("/temp", "/top-p", "/max-tokens"):
             self.set_sampling(name, arg)
         elif name == "/think":

@@ -102,6 +102,7 @@ class Failed:
 class State:
     """What the engine thread owns."""
 
+    target: object = None  # api.Target
     model: object = None
     tokenizer: object = None
     model_name: str = ""
@@ -156,14 +157,14 @@ class Engine:
             self.state.cache, self.state.context = None, []
 
     def _load(self, job: Load) -> None:
-        from mlx_spec.models import load_model
-        from mlx_spec.tokenizer import load_tokenizer
+        from mlx_spec import api
 
         self.emit(Status(f"loading {job.model}…"))
         with reporting(self.emit):  # a Hub download shows its progress
-            model, path = load_model(job.model, job.revision)
+            target = api.load(job.model, job.revision)
         s = self.state
-        s.model, s.tokenizer, s.model_name, s.revision = model, load_tokenizer(path), job.model, job.revision
+        s.target, s.model, s.tokenizer = target, target.model, target.tokenizer
+        s.model_name, s.revision = job.model, job.revision
         s.cache, s.context = None, []
         s.drafter, s.drafter_spec = None, "none"
         if job.drafter != "none":
@@ -179,12 +180,12 @@ class Engine:
         self.emit(Loaded(s.model_name, s.drafter_spec, has_thinking_switch(s.tokenizer)))
 
     def _set_drafter(self, spec: str) -> None:
-        from mlx_spec.drafters import make_drafter
+        from mlx_spec import api
 
         s = self.state
         if s.model is None:
             raise UserError("no model is loaded")
-        drafter = make_drafter(spec, s.model, s.tokenizer, s.revision, target_source=s.model_name)
+        drafter = api.drafter(spec, s.target, revision=s.revision)
         s.drafter, s.drafter_spec = drafter, spec if drafter is not None else "none"
 
     def _generate(self, job: Generate) -> None:

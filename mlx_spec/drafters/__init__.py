@@ -1,154 +1,77 @@
-"""Drafters, one file per method, and `--drafter SPEC` parsing.
+"""Drafters, one file per method, and the registry of `--drafter` kinds.
 
-SPEC is `KIND` or `KIND=SOURCE`: `none`, `lookup`, `suffix`, `draft=PATH_OR_REPO`,
-`medusa=PATH_OR_REPO`, `eagle=PATH_OR_REPO` (EAGLE-1 weights), `eagle3=PATH_OR_REPO`,
-`dflash=PATH_OR_REPO`, `layerskip[=E]`, `skip[=LAYERS|FILE.json]`, `mtp-heads=PATH`,
-`mtp[=PATH]` (MTP modules: the target checkpoint's own, or a folder written by
-`mlx_spec.convert.mtp`).
+SPEC is `KIND` or `KIND=SOURCE`. Each drafter module declares its kinds
+(`KINDS`: what it drafts from, whether it takes a source, the shaping options
+it takes, how it is built); the CLI's help, the benchmark's settings and the
+chat's `/drafter` read `REGISTRY`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters import dflash, draft_model, eagle, layerskip, lookup, medusa, mtp, mtp_heads, skip, suffix
+from mlx_spec.drafters.base import SHAPING, Draft, Drafter, Kind, Options
 from mlx_spec.errors import UserError
-from mlx_spec.models.llama import Model
 
-KINDS = ("none", "lookup", "suffix", "draft", "medusa", "eagle", "eagle3", "dflash", "layerskip", "skip",
-         "mtp-heads", "mtp")
-TREE_KINDS = ("medusa", "eagle", "eagle3", "dflash", "mtp-heads")
-PUBLISHED = ("medusa", "eagle", "eagle3", "dflash")  # kinds the registry knows for some targets
-CONVERT_FIRST = ("medusa", "eagle", "eagle3")  # published in layouts `mlx-spec convert` imports
+REGISTRY: dict[str, Kind] = {k.name: k for module in (lookup, suffix, draft_model, medusa, eagle, dflash, layerskip,
+                                                       skip, mtp_heads, mtp) for k in module.KINDS}
+KINDS = ("none", *REGISTRY)
+TREE_KINDS = tuple(name for name, k in REGISTRY.items() if "tree_budget" in k.takes)
 
 
-def make_drafter(
-    spec: str,
-    target: Model,
-    target_tokenizer=None,
-    revision: str | None = None,
-    ngram: tuple[int, int] = (1, 4),
-    tree_paths: list[list[int]] | None = None,
-    tree_budget: int | None = None,
-    depth: int = 6,
-    topk: int = 8,
-    target_source: str | None = None,
-    block_size: int | None = None,
-) -> Drafter | None:
-    """The drafter SPEC names for `target`; None for plain decoding.
+def usage() -> str:
+    """The `--drafter` help: every kind, what it drafts from, and what it is alone."""
+    parts = [f"{k.usage}: {k.summary}" + (f" (alone: {k.alone})" if k.alone else "") for k in REGISTRY.values()]
+    return "none (plain decoding, the default) | " + " | ".join(parts)
 
-    Medusa takes `tree_paths` (a static tree; by default mc_sim_7b_63) or
-    `tree_budget` (nodes of a best-first tree). EAGLE drafts a chain, or with
-    `tree_budget` an EAGLE-2 dynamic tree (`depth`, `topk` per depth); DFlash
-    one block, or with `tree_budget` a DDTree over the block. Without a
-    SOURCE, `dflash` is the drafter published for `target_source` (the
-    `--model` given); for the demo target every kind it ships is its own.
-    """
-    kind, _, source = spec.partition("=")
-    if kind not in KINDS:
-        raise UserError(f"--drafter: unknown kind '{kind}' (known: {', '.join(KINDS)})")
-    if tree_budget is not None and kind not in TREE_KINDS:
-        raise UserError(f"--tree-budget needs a tree drafter ({', '.join(TREE_KINDS)}), not '{kind}'")
-    if block_size is not None and (block_size < 2 or kind != "dflash"):
-        raise UserError(f"--block-size needs the dflash drafter and a size >= 2, got {block_size} for '{kind}'")
-    if tree_paths is not None and kind != "medusa":
-        raise UserError(f"--tree needs the medusa drafter, not '{kind}'")
-    needs_source = kind in ("draft", "medusa", "eagle", "eagle3", "dflash", "mtp-heads", "mtp")
-    if kind == "mtp" and not source and target_source is not None:
-        needs_source = False  # the target's own MTP modules
-    if needs_source and not source and target_source is not None:
-        from mlx_spec import demo
-        from mlx_spec.convert.registry import find_drafter, is_demo
 
-        demo_kind = kind in demo.DRAFTERS and is_demo(target_source)
-        if kind in PUBLISHED or demo_kind:
-            source = find_drafter(kind, target_source)
-        if kind in CONVERT_FIRST and not demo_kind:
-            raise UserError(
-                f"--drafter {kind}: the published drafter for {target_source} is {source}; convert it with "
-                f"`mlx-spec convert {source} -o DIR --target {target_source}`, then use --drafter {kind}=DIR"
-            )
-    if needs_source and not source:
-        raise UserError(f"--drafter {kind}: give the model as {kind}=PATH_OR_REPO")
-    if kind == "layerskip":
-        from mlx_spec.drafters.layerskip import LayerSkip
-
-        L = target.args.num_hidden_layers
-        if source and not (source.isdigit() and 0 < int(source) < L):
-            raise UserError(f"--drafter layerskip={source}: the exit layer must be an integer in 1..{L - 1}")
-        return LayerSkip(target, int(source) if source else None)
-    if kind == "skip":
-        from mlx_spec.drafters.skip import skip_drafter
-
-        return skip_drafter(target, source or None)
-    if source and not needs_source:
-        raise UserError(f"--drafter {kind}: takes no source, got '{source}'")
-    if kind == "none":
-        return None
-    if kind == "lookup":
-        from mlx_spec.drafters.lookup import PromptLookup
-
-        return PromptLookup(*ngram)
-    if kind == "suffix":
-        from mlx_spec.drafters.suffix import SuffixDecoding
-
-        return SuffixDecoding()
-    if kind == "medusa":
-        from mlx_spec.drafters.medusa import Medusa, load_medusa
-
-        heads, path = load_medusa(source, revision)
-        check_medusa_fits(heads, target, f"--drafter {spec}")
-        return Medusa(heads, target, tree_paths, tree_budget)
-    if kind in ("eagle", "eagle3"):
-        from mlx_spec.drafters.eagle import Eagle, check_eagle_fits, load_eagle
-
-        net, _, _ = load_eagle(source, revision)
-        if (net.version == 1) != (kind == "eagle"):
-            raise UserError(f"--drafter {spec}: an EAGLE-{net.version} drafter; use eagle{'3' if net.version == 3 else ''}=")
-        check_eagle_fits(net, target, f"--drafter {spec}")
-        return Eagle(net, target, tree_budget, topk, depth)
-    if kind == "dflash":
-        from mlx_spec.drafters.dflash import DFlash, check_dflash_fits, load_dflash
-
-        net, _, _ = load_dflash(source, revision)
-        check_dflash_fits(net, target, f"--drafter {spec}")
-        return DFlash(net, target, tree_budget, block_size)
-    if kind == "mtp":
-        from mlx_spec.drafters.mtp import MTP, check_mtp_fits, load_mtp, mtp_from_checkpoint
-
+def make_drafter(spec: str, target, *, target_source: str | None = None, **flags) -> Drafter | None:
+    """The drafter SPEC names for `target`; None for plain decoding. `flags` are
+    `Options` fields (tokenizer, revision, ngram, tree_paths, tree_budget, depth,
+    topk, block_size). Without a SOURCE, a kind that needs one is the drafter of
+    that kind published for `target_source` (the `--model` given); for the demo
+    target every kind it ships is its own."""
+    name, _, source = spec.partition("=")
+    if name not in KINDS:
+        raise UserError(f"--drafter: unknown kind '{name}' (known: {', '.join(KINDS)})")
+    options = Options(source=source or None, spec=spec, **flags)
+    if name == "none":
         if source:
-            net, _, _ = load_mtp(source, revision)
-        else:  # the target's own modules, from its checkpoint
-            from mlx_spec import hub
-
-            if target_source is None:
-                raise UserError("--drafter mtp: give the modules as mtp=PATH")
-            net = mtp_from_checkpoint(hub.resolve(target_source, revision), target)
-        check_mtp_fits(net, target, f"--drafter {spec}")
-        return MTP(net, target)
-    if kind == "mtp-heads":
-        from mlx_spec.drafters.mtp_heads import MTPHeadsDrafter, check_mtp_heads_fit, load_mtp_heads
-
-        heads, _, _ = load_mtp_heads(source, revision)
-        check_mtp_heads_fit(heads, target, f"--drafter {spec}")
-        return MTPHeadsDrafter(heads, target, tree_budget)
-    from mlx_spec.drafters.draft_model import DraftModel
-    from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
-
-    model, path = load_model(source, revision)
-    if target_tokenizer is not None:
-        check_same_vocab(load_tokenizer(Path(path)), target_tokenizer, f"--drafter {spec}", "the target")
-    return DraftModel(model, target.args.vocab_size, Path(path))
+            raise UserError(f"--drafter none: takes no source, got '{source}'")
+        return None
+    kind = REGISTRY[name]
+    for field, flag in SHAPING.items():
+        if getattr(options, field) is not None and field not in kind.takes:
+            takers = ", ".join(k.name for k in REGISTRY.values() if field in k.takes)
+            raise UserError(f"{flag} needs a drafter that takes it ({takers}), not '{name}'")
+    if options.block_size is not None and options.block_size < 2:
+        raise UserError(f"--block-size must be >= 2, got {options.block_size}")
+    if source and kind.source == "none":
+        raise UserError(f"--drafter {name}: takes no source, got '{source}'")
+    if not source and kind.source != "none" and target_source is not None:
+        options.source = published_source(name, target_source)
+    if not options.source and kind.source == "required":
+        raise UserError(f"--drafter {name}: give the model as {name}=PATH_OR_REPO")
+    return kind.build(target, options)
 
 
-def check_medusa_fits(heads, target: Model, what: str) -> None:
-    """Medusa heads read the target's hidden state and predict its vocabulary."""
-    c, a = heads.config, target.args
-    if c["hidden_size"] != a.hidden_size:
-        raise UserError(f"{what}: heads read hidden size {c['hidden_size']}, the target's is {a.hidden_size}")
-    if c["vocab_size"] < a.vocab_size:
-        raise UserError(f"{what}: heads predict {c['vocab_size']} tokens, the target has {a.vocab_size}")
+def published_source(kind: str, target_source: str) -> str | None:
+    """The demo's own drafter of this kind, or the one published for the target
+    (None where the kind alone means something else: the target's own MTP modules,
+    LayerSkip's exit, Draft & Verify's search)."""
+    from mlx_spec import demo
+    from mlx_spec.published import DRAFTERS, find_drafter, is_demo
+
+    if kind in demo.DRAFTERS and is_demo(target_source):
+        return find_drafter(kind, target_source)
+    if kind not in DRAFTERS:
+        return None
+    source = find_drafter(kind, target_source)
+    if kind != "dflash":  # z-lab's DFlash folders load as published; the others are converted first
+        raise UserError(
+            f"--drafter {kind}: the published drafter for {target_source} is {source}; convert it with "
+            f"`mlx-spec convert {source} -o DIR --target {target_source}`, then use --drafter {kind}=DIR"
+        )
+    return source
 
 
-__all__ = ["Draft", "Drafter", "make_drafter"]
+__all__ = ["Draft", "Drafter", "Kind", "KINDS", "REGISTRY", "make_drafter", "usage"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -11,6 +12,44 @@ import numpy as np
 from mlx_spec import tree
 from mlx_spec.cache import KVCache
 from mlx_spec.sampling import SamplingParams, draw
+
+
+@dataclass
+class Options:
+    """What a drafter is built from: `--drafter KIND=SOURCE` and the flags that shape drafters."""
+
+    source: str | None = None  # a folder or Hub repo (None: the kind alone, where it has a meaning)
+    revision: str | None = None  # the source repo's revision
+    tokenizer: object = None  # the target's (a draft model must share it)
+    ngram: tuple[int, int] = (1, 4)  # lookup: shortest and longest n-gram
+    tree_paths: list[list[int]] | None = None  # a static tree (Medusa)
+    tree_budget: int | None = None  # a best-first tree of this many nodes
+    depth: int = 6  # EAGLE dynamic trees: the deepest level
+    topk: int = 8  # EAGLE dynamic trees: nodes expanded per level
+    block_size: int | None = None  # DFlash: positions per block
+    spec: str = ""  # as the user wrote it, for messages
+
+
+# Options a kind must declare in `Kind.takes` for them to be given (flag, how to tell it was).
+SHAPING = {"tree_paths": "--tree", "tree_budget": "--tree-budget", "block_size": "--block-size"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A `--drafter` kind, as its module declares it: what it drafts from, whether
+    it takes a source (`"required"`, `"optional"`: `alone` says what it is
+    without one, or `"none"`), the shaping options it takes, and how it is built."""
+
+    name: str
+    summary: str
+    build: "Callable[[object, Options], Drafter]"
+    source: str = "required"
+    alone: str = ""
+    takes: tuple[str, ...] = ()
+
+    @property
+    def usage(self) -> str:
+        return {"required": f"{self.name}=PATH_OR_REPO", "optional": f"{self.name}[=SOURCE]", "none": self.name}[self.source]
 
 
 @dataclass
@@ -32,6 +71,17 @@ class Draft:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def to_depth(self, k: int) -> Draft:
+        """A tree cut to depth <= k (a chain as it is)."""
+        if self.parents is None:
+            return self
+        keep = tree.truncate(self.parents, k)
+        if len(keep) == len(self):
+            return self
+        idx = mx.array(keep)
+        lp = self.log_probs[idx] if self.log_probs is not None else None
+        return Draft(self.tokens[idx], lp, tree.subtree(self.parents, keep))
 
     @classmethod
     def steps(cls, tokens: list[mx.array], dists: list[mx.array | None], ks: list[int]) -> list[Draft]:

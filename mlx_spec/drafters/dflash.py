@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, RowStates, common_prefix, depth_tree, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, depth_tree, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
@@ -239,3 +239,17 @@ class DFlash(RowStates):
         # Each position is drawn from its own distribution: p_i does not depend on the earlier drafts.
         tokens, lp = draw_rows(logits, params)  # [R, K], [R, K, V]
         return Draft.rows(tokens, lp, ks)
+
+
+def build(target: Model, o: Options) -> DFlash:
+    if o.source is None:
+        raise UserError("--drafter dflash: give the drafter as dflash=PATH_OR_REPO (alone, it is the one "
+                        "published for --model)")
+    net, _, _ = load_dflash(o.source, o.revision)
+    check_dflash_fits(net, target, f"--drafter {o.spec}")
+    return DFlash(net, target, o.tree_budget, o.block_size)
+
+
+KINDS = (Kind("dflash", "a DFlash block drafter (z-lab's, as published): a whole block of drafts in one small "
+              "forward; --tree-budget N verifies a DDTree over the block; --block-size", build,
+              source="optional", alone="the one published for --model", takes=("tree_budget", "block_size")),)

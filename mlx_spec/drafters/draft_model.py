@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_spec.cache import cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, RowStates, common_prefix, draw_rows
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams, draw
 
@@ -97,3 +97,16 @@ class DraftModel(RowStates):
         for held, d in zip(self.cached, mx.stack(tokens, axis=1)[:, : K - 1].tolist()):
             held.extend(d)
         return drafts
+
+
+def build(target: Model, o: Options) -> DraftModel:
+    from mlx_spec.models import load_model
+    from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
+
+    model, path = load_model(o.source, o.revision)
+    if o.tokenizer is not None:
+        check_same_vocab(load_tokenizer(Path(path)), o.tokenizer, f"--drafter {o.spec}", "the target")
+    return DraftModel(model, target.args.vocab_size, Path(path))
+
+
+KINDS = (Kind("draft", "a smaller model with the same tokenizer", build),)

@@ -27,6 +27,7 @@ draft layer's Llama-style config plus an `"eagle"` section) and
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,7 +36,7 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache, trim_cache
-from mlx_spec.drafters.base import EMPTY, Draft, RowStates, common_prefix, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ModelArgs, parse_config
@@ -364,3 +365,17 @@ class Eagle(RowStates):
             drafts.append(Draft(mx.array([tokens[b][i] for i in keep], dtype=mx.int32), None,
                                 tree.subtree(parents[b], keep)))
         return drafts
+
+
+def build(version: int, target: Model, o: Options) -> Eagle:
+    net, _, _ = load_eagle(o.source, o.revision)
+    if net.version != version:
+        raise UserError(f"--drafter {o.spec}: an EAGLE-{net.version} drafter; use eagle{'3' if net.version == 3 else ''}=")
+    check_eagle_fits(net, target, f"--drafter {o.spec}")
+    return Eagle(net, target, o.tree_budget, o.topk, o.depth)
+
+
+_SUMMARY = ("one layer on the target's features: a chain, or with --tree-budget N an EAGLE-2 dynamic tree "
+            "(--depth, --topk)")
+KINDS = (Kind("eagle", "an EAGLE-1 drafter, " + _SUMMARY, partial(build, 1), takes=("tree_budget",)),
+         Kind("eagle3", "an EAGLE-3 drafter, " + _SUMMARY, partial(build, 3), takes=("tree_budget",)))

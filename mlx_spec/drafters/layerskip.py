@@ -17,8 +17,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import Draft, HostDrafter
+from mlx_spec.drafters.base import Draft, HostDrafter, Kind, Options
+from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
+from mlx_spec.policy import expected_tokens
 from mlx_spec.sampling import SamplingParams, draw
 
 
@@ -33,9 +35,8 @@ def choose_exit(target: Model, prompt: list[int], k: int = 4) -> int:
     full = mx.argmax(logits[0], axis=-1)  # [S]
     best, best_speedup = max(L // 2, 1), 0.0
     for E, h in zip(range(1, L), hidden):
-        alpha = min((mx.argmax(target.head(h[0]), axis=-1) == full).mean().item(), 0.999)
-        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        speedup = tokens / (k * E / L + 1)
+        alpha = (mx.argmax(target.head(h[0]), axis=-1) == full).mean().item()
+        speedup = expected_tokens(alpha, k) / (k * E / L + 1)
         if speedup > best_speedup:
             best, best_speedup = E, speedup
     return best
@@ -92,3 +93,14 @@ class LayerSkip(HostDrafter):
         last = target.run_layers(target.model.embed_tokens(inputs[:, -1:]), cache, range(self.exit))
         h = target.run_layers(mx.concatenate([saved, last], axis=1), cache, range(self.exit, L))
         return target.head(h), ()
+
+
+def build(target: Model, o: Options) -> LayerSkip:
+    L = target.args.num_hidden_layers
+    if o.source and not (o.source.isdigit() and 0 < int(o.source) < L):
+        raise UserError(f"--drafter layerskip={o.source}: the exit layer must be an integer in 1..{L - 1}")
+    return LayerSkip(target, int(o.source) if o.source else None)
+
+
+KINDS = (Kind("layerskip", "the target's own first E layers, its final norm and LM head (self-speculation)", build,
+              source="optional", alone="E chosen from the prompt"),)

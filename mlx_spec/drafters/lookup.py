@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_spec.drafters.base import Draft, HostDrafter
+from mlx_spec.drafters.base import Draft, HostDrafter, Kind
 from mlx_spec.errors import UserError
 from mlx_spec.sampling import SamplingParams
 
@@ -65,3 +65,7 @@ class PromptLookup(HostDrafter):
 
     def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
         return Draft(mx.array(self.states[b].draft(context, k), dtype=mx.int32))
+
+
+KINDS = (Kind("lookup", "the tokens that followed the last n-gram earlier in the text (--ngram-min, --ngram-max)",
+              lambda target, o: PromptLookup(*o.ngram), source="none"),)

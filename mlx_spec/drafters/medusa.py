@@ -28,8 +28,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_spec import hub, tree
-from mlx_spec.convert.readers import read_safetensors
-from mlx_spec.drafters.base import EMPTY, Draft, RowStates, depth_tree
+from mlx_spec.weights import read_safetensors
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.llama import Model
@@ -149,3 +149,22 @@ class Medusa(RowStates):
             for i, b in enumerate(rows):
                 drafts[b] = depth_tree(logits[i], ks[b], self.paths, self.budget, TOPK)
         return drafts
+
+
+def check_medusa_fits(heads: MedusaHeads, target: Model, what: str) -> None:
+    """Medusa heads read the target's hidden state and predict its vocabulary."""
+    c, a = heads.config, target.args
+    if c["hidden_size"] != a.hidden_size:
+        raise UserError(f"{what}: heads read hidden size {c['hidden_size']}, the target's is {a.hidden_size}")
+    if c["vocab_size"] < a.vocab_size:
+        raise UserError(f"{what}: heads predict {c['vocab_size']} tokens, the target has {a.vocab_size}")
+
+
+def build(target: Model, o: Options) -> Medusa:
+    heads, _ = load_medusa(o.source, o.revision)
+    check_medusa_fits(heads, target, f"--drafter {o.spec}")
+    return Medusa(heads, target, o.tree_paths, o.tree_budget)
+
+
+KINDS = (Kind("medusa", "Medusa heads on the target's last hidden state: a tree of candidates per round "
+              "(--tree, --tree-budget)", build, takes=("tree_paths", "tree_budget")),)

@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, RowStates, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
@@ -249,18 +249,13 @@ class MTP(RowStates):
         return 0 if held is None else held.shape[1]
 
 
-def mtp_from_checkpoint(path: Path, target: Model) -> MTPNet:
-    """The MTP modules a target's own checkpoint holds, read from the shards that hold them."""
-    from mlx.utils import tree_flatten
+def build(target: Model, o: Options) -> MTP:
+    if o.source is None:
+        raise UserError("--drafter mtp: give the modules as mtp=PATH (alone, they are the target checkpoint's own)")
+    net, _, _ = load_mtp(o.source, o.revision)
+    check_mtp_fits(net, target, f"--drafter {o.spec}")
+    return MTP(net, target)
 
-    from mlx_spec.convert.mtp import mtp_config, read_mtp
-    from mlx_spec.models.load import check_weights
 
-    target_config = read_json(path / "config.json")
-    layout, weights = read_mtp(path, target_config)
-    net = MTPNet(mtp_config(layout, weights, target_config), str(path / "config.json"))
-    check_weights(dict(tree_flatten(net.parameters())), weights, {k: path for k in weights}, path, "MTP modules")
-    dtype = mx.float32 if target.model.embed_tokens.weight.dtype == mx.float32 else None
-    net.load_weights([(k, v.astype(dtype) if dtype else v) for k, v in weights.items()])
-    mx.eval(net.parameters())
-    return net
+KINDS = (Kind("mtp", "DeepSeek-style sequential multi-token-prediction modules", build, source="optional",
+              alone="the target checkpoint's own modules (DeepSeek-V3, MiMo and Qwen3-Next layouts)"),)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, RowStates, depth_tree, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, depth_tree, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
@@ -141,3 +141,13 @@ class MTPHeadsDrafter(RowStates):
         # The heads predict independently: each draft is drawn from its own head's distribution.
         tokens, lp = draw_rows(logits, params)
         return Draft.rows(tokens, lp, ks)
+
+
+def build(target: Model, o: Options) -> MTPHeadsDrafter:
+    heads, _, _ = load_mtp_heads(o.source, o.revision)
+    check_mtp_heads_fit(heads, target, f"--drafter {o.spec}")
+    return MTPHeadsDrafter(heads, target, o.tree_budget)
+
+
+KINDS = (Kind("mtp-heads", "parallel multi-token-prediction heads on the target's last hidden state: a chain, "
+              "or a tree with --tree-budget", build, takes=("tree_budget",)),)

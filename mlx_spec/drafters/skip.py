@@ -25,9 +25,11 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlx_spec.cache import KVCache, make_cache
+from mlx_spec.drafters.base import Kind
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model, default_mask
+from mlx_spec.policy import expected_tokens
 
 # Calibration tokens per prompt: the search's forwards cost grows with them,
 # and a long prompt's tail says as much about agreement as all of it.
@@ -54,12 +56,6 @@ class SkipView:
         for j, i in enumerate(self.kept):
             h = self.target.layers[i](h, mask, cache[j] if cache is not None else None, None)
         return self.target.head(h), ()
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens per verification when each of `k` drafts is accepted with
-    probability `alpha`: 1 + alpha + ... + alpha^k."""
-    return sum(alpha**i for i in range(k + 1))
 
 
 def search_skip(target: Model, prompts: Sequence[Sequence[int]], k: int = 4) -> list[int]:
@@ -177,3 +173,8 @@ def skip_drafter(target: Model, spec: str | None = None) -> SkipDrafter:
     except ValueError:
         raise UserError(f"{what}: give layer indices like 3,5,7 or a .json skip-set file") from None
     return SkipDrafter(target, check_skip(layers, L, what))
+
+
+KINDS = (Kind("skip", "Draft & Verify: the target itself with some middle layers skipped (skip=3,5,7 or skip=FILE.json)",
+              lambda target, o: skip_drafter(target, o.source or None), source="optional",
+              alone="the set searched on the prompt"),)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_spec.drafters.base import Draft, HostDrafter
+from mlx_spec.drafters.base import Draft, HostDrafter, Kind
 from mlx_spec.errors import UserError
 from mlx_spec.sampling import SamplingParams
 
@@ -119,3 +119,7 @@ class SuffixDecoding(HostDrafter):
             tokens.append(trie.best_token[node])
             node = child
         return Draft(mx.array(tokens, dtype=mx.int32))
+
+
+KINDS = (Kind("suffix", "a suffix trie of everything this session has seen, most frequent continuation first",
+              lambda target, o: SuffixDecoding(), source="none"),)

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_spec import hub
-from mlx_spec.convert.readers import read_safetensors
+from mlx_spec.weights import read_safetensors
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
