@@ -94,7 +94,7 @@ class Decoder:
         self.held = cache is not None  # a kept one-row cache the first row may continue
         self.rows: list[Row] = []
         self.policy = Policy(k_max, num_draft)
-        self.queued: mx.array | None = None  # plain rounds: the next tokens, already in the works
+        self.queued: tuple | None = None  # plain rounds: the next tokens (and features), already in the works
 
     @property
     def done(self) -> bool:
@@ -156,24 +156,29 @@ class Decoder:
 
     def step(self) -> dict[object, StepEvent]:
         """One round for every row still decoding."""
-        if all(r.drafter is None for r in self.rows):
-            return self._plain_step()
         rows = self.rows
         ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
                                 [max(r.max_tokens - r.produced - 1, 0) for r in rows])  # a round adds one token
+        if not any(ks):
+            return self._plain_step()
+        self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
         tic = time.perf_counter()
         drafts: list[Draft] = [EMPTY()] * len(rows)
-        draft_times = {}
-        for drafter in {id(r.drafter): r.drafter for r in rows if r.drafter is not None}.values():
-            t0 = time.perf_counter()
+        steps = {}
+        drafters = {id(r.drafter): r.drafter for r in rows if r.drafter is not None}
+        for drafter in drafters.values():
             members = sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is drafter)
+            k = max(ks[b] for _, b in members)
+            steps[id(drafter)] = k if drafter.cost_per_token else min(k, 1)  # what its time is per
+            if k == 0:
+                continue  # a plain round for its rows: it reads what it missed when it next drafts
             proposed = drafter.propose([rows[b].context for _, b in members], [ks[b] for _, b in members],
                                        [rows[b].params for _, b in members])
             for (_, b), draft in zip(members, proposed):
                 drafts[b] = draft.to_depth(ks[b])  # a round never commits more than k + 1 tokens
-            draft_times[id(drafter)] = (time.perf_counter() - t0, max(ks[b] for _, b in members))
-        mid = time.perf_counter()
+        lazy = [a for d in drafts for a in (d.tokens, d.log_probs) if a is not None]
+        mx.async_eval(lazy)  # the drafts compute while the verification is built
         capture = tuple(sorted({i for r in rows if r.drafter is not None for i in r.drafter.capture}))
         inputs, positions, mask = self._inputs(drafts, starts)
         one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
@@ -181,6 +186,9 @@ class Decoder:
             logits, hidden = one.verify_forward(self.model, inputs, self.cache, capture)
         else:
             logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
+        mx.eval(lazy)
+        mid = time.perf_counter()
+        draft_times = {key: ((mid - tic) / len(drafters), k) for key, k in steps.items()}
         verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
         for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
             if draft.parents is None:
@@ -237,28 +245,41 @@ class Decoder:
     def _plain_step(self) -> dict[object, StepEvent]:
         """A round of plain decoding for every row. The next round is queued with
         `mx.async_eval` before this one's tokens are read, so the host builds it
-        while the device computes."""
+        while the device computes; drafters read the target's features all the same."""
         tic = time.perf_counter()
-        y = self.queued if self.queued is not None else self._plain_forward(
-            mx.array([[r.context[-1]] for r in self.rows]))
+        capture = tuple(sorted({i for r in self.rows if r.drafter is not None for i in r.drafter.capture}))
+        queued = self.queued is not None
+        y, hidden = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
+        mx.async_eval(y)
         self.queued = None
-        if all(r.max_tokens - r.produced > 1 for r in self.rows):
-            self.queued = self._plain_forward(y[:, None])
-            mx.async_eval(self.queued)
+        # Queued only where the next round is plain too: one that drafts would wait for it, then drop it.
+        keys, drafters = [r.key for r in self.rows], [r.drafter for r in self.rows]
+        if self.policy.plain_next(keys, drafters) and all(r.max_tokens - r.produced > 1 for r in self.rows):
+            self.queued = self._plain_forward(y[:, None], capture)
+            mx.async_eval(self.queued[0])
         tokens = y.tolist()
         toc = time.perf_counter()
         events = {}
-        for r, token in zip(self.rows, tokens):
+        for b, (r, token) in enumerate(zip(self.rows, tokens)):
             r.context.append(token)
             r.produced += 1
+            if r.drafter is not None:
+                r.drafter.commit(r.slot, r.context, tuple(hidden[capture.index(i)][b : b + 1] for i in r.drafter.capture))
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic)
+        drafters = {id(r.drafter): (0.0, 0) for r in self.rows if r.drafter is not None}
+        # Reading a token waits for what is queued after it: a round that queues the next without
+        # having been queued itself waits for two forwards, the next one for none.
+        if drafters and queued == (self.queued is not None):
+            self.policy.record([r.key for r in self.rows], [0] * len(self.rows), [0] * len(self.rows), 1,
+                               len(tokens), toc - tic, toc - tic, drafters)
         self._finish()
         return events
 
-    def _plain_forward(self, tokens: mx.array) -> mx.array:
-        """The next token of every row `[B]` after `tokens` `[B, 1]` (lazy)."""
-        logits, _ = self.model(tokens, self.cache)  # [B, 1, V]
-        return draw_rows(logits[:, -1], [r.params for r in self.rows])[0]
+    def _plain_forward(self, tokens: mx.array, capture: tuple[int, ...]) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The next token of every row `[B]` after `tokens` `[B, 1]`, and the hidden
+        states `capture` names there (lazy)."""
+        logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
+        return draw_rows(logits[:, -1], [r.params for r in self.rows])[0], hidden
 
     def _unqueue(self) -> None:
         """Rows change: a queued plain round no longer fits the batch."""

@@ -1,25 +1,30 @@
 """How many tokens each row drafts a round: one cost model for a batch of one or many.
 
 With per-token acceptance alpha, a round of K drafts yields
-E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al.). It
+E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al.); each
+row's acceptance is kept per draft position, and its E is the same sum with a
+rate per position. It
 costs the drafting (a forward per step for a costly drafter, shared by all the
-rows it drafts for) and one verification of B rows of S = K + 1 tokens. The
+rows it drafts for) and one verification of B rows of K + 1 tokens. The
 seed's formula takes the verification as flat in K (memory-bound decoding); on
-a CPU, or for a small target, it is not, so a running time is kept per batch
-size and verified length, with a line through the measured lengths for the
-others. The K with the least time per token wins; K = 0 is plain decoding,
-probed again now and then in case acceptance has changed.
+a CPU, or for a small target, it is not, so the recent times are kept per
+batch size and verified length, with a line through the measured lengths for
+the others. The K with the least time per token wins; K = 0 is plain decoding.
 
-A batch of many is where the model is least reliable (padding, rows whose
-drafter finds nothing, a forward that turns compute-bound), so there the
-measured throughput of whole rounds decides too: runs of plain rounds are
-timed beside the speculative ones, and once plain rounds produce tokens faster
-at that batch size, everyone decodes plainly, with a speculative run now and
-then in case that changed.
+One row starts optimistic (K at its most) and follows the model, probing again
+after a few plain rounds. A batch is where the model is least reliable
+(padding, rows whose drafter finds nothing, a forward that turns
+compute-bound), so there the measured throughput of whole rounds decides
+whether to draft at all: it first times plain rounds and one-token drafts;
+while drafting, a short run of plain rounds now and then keeps the comparison
+fresh; while plain, a short run of drafting rounds now and then (further
+apart each time it loses) looks again.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -37,64 +42,87 @@ def ema(old: float | None, new: float, decay: float) -> float:
 
 
 DECAY = 0.8  # weight of the past in the running estimates
+RECENT = 8  # verification times kept per length (their median is the estimate: spikes are common)
 
 
 @dataclass
 class Acceptance:
-    """A row's drafts: P(draft position i accepted | the ones before it were)."""
+    """A row's drafts: P(draft position i accepted | the ones before it were), per
+    position (prompt lookup's first draft is a guess, the ones after it copies)."""
 
-    accepted: float = 0.8  # prior alpha = 0.8, weak
-    reached: float = 1.0
+    accepted: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+    PRIOR = 0.8  # alpha where a position has not been reached yet, weak
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.reached
+    def rate(self, i: int) -> float:
+        if i >= len(self.reached):
+            return self.PRIOR
+        return (self.accepted[i] + self.PRIOR) / (self.reached[i] + 1)
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens of a round of k drafts: 1 + a_0 + a_0 a_1 + ..."""
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= self.rate(i)
+            total += reach
+        return total
 
     def update(self, k: int, n: int) -> None:
         # Position i is reached when the drafts before it were all accepted.
-        self.accepted = DECAY * self.accepted + n
-        self.reached = DECAY * self.reached + n + (n < k)
+        while len(self.reached) < k:
+            self.accepted.append(0.0)
+            self.reached.append(0.0)
+        for i in range(k):
+            self.accepted[i] *= DECAY
+            self.reached[i] *= DECAY
+            if i <= n:
+                self.reached[i] += 1
+                self.accepted[i] += i < n
 
 
 @dataclass
 class Measured:
-    """What the policy has measured at one batch size."""
+    """What the policy has measured at one batch size, and where a batch stands."""
 
-    verify: dict[int, float] = field(default_factory=dict)  # S -> seconds per verification of B rows x S
-    seen: set[int] = field(default_factory=set)  # S verified at least once (the first also compiles)
-    tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # speculating? -> sums
+    times: dict[int, deque] = field(default_factory=dict)  # K + 1 -> recent seconds of a verification
+    seen: set[int] = field(default_factory=set)  # shapes verified at least once (the first also compiles)
+    tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # drafting? -> sums
     seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
-    rounds: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
-    since_plain: int = 0  # speculative rounds since plain ones were last timed
-    left: int = 0  # rounds left of a measuring run
-    left_k: int = 0  # its K
-    plain_rounds: int = 0
+    mode: str = "explore"  # a batch: explore, drafting or plain
+    run: int = 0  # rounds left of a run of the other kind (plain while drafting, drafting while plain)
+    since: int = 0  # rounds since the last such run
+    every: int = 0  # while plain: rounds between two drafting runs
+    plain_rounds: int = 0  # one row: plain rounds since the last probe
 
     def verify_time(self, S: int) -> float:
         """Measured, or from a line through the measured lengths (flat with one)."""
-        if S in self.verify:
-            return self.verify[S]
-        ss, ts = list(self.verify), list(self.verify.values())
+        medians = {s: statistics.median(t) for s, t in self.times.items()}
+        if S in medians:
+            return medians[S]
+        ss, ts = list(medians), list(medians.values())
         if len(ss) == 1:
             return ts[0]
         ms, mt = sum(ss) / len(ss), sum(ts) / len(ts)
         slope = sum((a - ms) * (b - mt) for a, b in zip(ss, ts)) / sum((a - ms) ** 2 for a in ss)
         return max(mt + max(slope, 0.0) * (S - ms), min(ts))
 
-    def rate(self, speculating: bool) -> float:
-        return self.tokens[speculating] / self.seconds[speculating]
+    def samples(self, S: int) -> int:
+        return len(self.times.get(S, ()))
+
+    def rate(self, drafting: bool) -> float:
+        return self.tokens[drafting] / self.seconds[drafting] if self.seconds[drafting] else 0.0
 
 
 class Policy:
     """K per row each round, from the rows' acceptance, each drafter's measured
-    cost per step and the measured verification times at this batch size."""
+    cost and the measured verification times at this batch size."""
 
-    PROBE_EVERY = 4  # plain rounds between two probes (one row)
+    PROBE_EVERY = 4  # one row: plain rounds between two probes
     PROBE_K = 2
-    LEARN = 8  # speculative rounds before the first comparison with plain ones (a batch)
-    RUN = 4  # rounds in a measuring run
-    MEASURE_PLAIN = 32  # speculative rounds between two runs of plain ones
-    PROBE_BATCH = 32  # plain rounds between two runs of speculative ones
+    RUN = 4  # a batch: rounds in a run of the other kind
+    MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs
+    PROBE_FIRST, PROBE_LAST = 32, 1024  # a batch, plain: rounds between two drafting runs, doubling
+    MARGIN = 1.03  # a batch changes mode only for at least this much more throughput
     RATE_DECAY = 0.95  # per round, of the running sums of tokens and seconds
 
     def __init__(self, k_max: int, fixed: int | None = None):
@@ -114,65 +142,110 @@ class Policy:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not)."""
         if self.fixed is not None or all(d is None for d in drafters):
             return [min(self.k_max, room) if d is not None else 0 for d, room in zip(drafters, rooms)]
-        k = self._k(keys, drafters)
+        k = self._one(keys, drafters) if len(keys) == 1 else self._batch(keys, drafters)
         return [min(k, room) if d is not None else 0 for d, room in zip(drafters, rooms)]
 
+    def plain_next(self, keys: list, drafters: list) -> bool:
+        """Whether the next round will decode plainly, as far as is known now (so
+        it may be queued before this one's tokens are read)."""
+        if all(d is None for d in drafters):
+            return True
+        if self.fixed is not None:
+            return False
+        m = self.measured(len(keys))
+        if len(keys) == 1:
+            return bool(m.times) and self._best(m, keys, drafters) == 0 and m.plain_rounds + 1 < self.PROBE_EVERY
+        if m.mode == "plain":
+            return m.run == 0 and m.since + 1 < m.every
+        return m.mode == "drafting" and m.run > 1
+
     def _time_per_token(self, m: Measured, keys: list, drafters: list, k: int) -> float:
-        tokens = sum(expected_tokens(self.acceptance.setdefault(key, Acceptance()).alpha, k) if d is not None and k
-                     else 1.0 for key, d in zip(keys, drafters))
-        drafting = sum(k * self.draft_cost.get(id(d), 0.0) for d in {id(d): d for d in drafters if d}.values()
-                       if d.costly)
+        tokens = sum(self.acceptance.setdefault(key, Acceptance()).tokens(k) if d is not None else 1.0
+                     for key, d in zip(keys, drafters))
+        drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d), 0.0)
+                       for d in {id(d): d for d in drafters if d}.values() if d.costly)
         return (drafting + m.verify_time(k + 1)) / tokens
 
-    def _k(self, keys: list, drafters: list) -> int:
-        B = len(keys)
-        m = self.measured(B)
-        if not m.verify:
-            return self.k_max
-        best = min(range(self.k_max + 1), key=lambda k: self._time_per_token(m, keys, drafters, k))
-        if B == 1:  # the model decides; plain rounds probe now and then
-            if best == 0:
-                m.plain_rounds += 1
-                if m.plain_rounds % self.PROBE_EVERY == 0:
-                    return min(self.PROBE_K, self.k_max)
-            return best
-        if best and m.left:  # a measuring run goes on
-            m.left -= 1
-            return m.left_k
-        if best and m.rounds[True] >= self.LEARN and (m.rounds[False] == 0 or m.since_plain >= self.MEASURE_PLAIN):
-            m.left, m.left_k = self.RUN - 1, 0
-            return 0
-        if best and (m.rounds[True] < self.LEARN or m.rounds[False] == 0 or m.rate(True) >= m.rate(False)):
+    def _best(self, m: Measured, keys: list, drafters: list) -> int:
+        return min(range(self.k_max + 1), key=lambda k: self._time_per_token(m, keys, drafters, k))
+
+    def _one(self, keys: list, drafters: list) -> int:
+        """One row: the model decides; after a few plain rounds, a probe."""
+        m = self.measured(1)
+        if not m.times:
+            return self.k_max  # start optimistic: the measured costs soon say
+        best = self._best(m, keys, drafters)
+        if best:
             return best
         m.plain_rounds += 1
-        if m.plain_rounds % self.PROBE_BATCH == 0:
-            k = best or min(self.PROBE_K, self.k_max)
-            m.left, m.left_k = self.RUN - 1, k
-            return k
+        if m.plain_rounds >= self.PROBE_EVERY:  # in case acceptance or costs changed
+            m.plain_rounds = 0
+            return min(self.PROBE_K, self.k_max)
         return 0
+
+    def _batch(self, keys: list, drafters: list) -> int:
+        """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""
+        m = self.measured(len(keys))
+        if m.mode == "explore":  # plain rounds, then one-token drafts: two measured each
+            if m.samples(1) < 2:
+                return 0
+            if m.samples(2) < 2:
+                return min(1, self.k_max)
+            m.mode = "drafting" if self._best(m, keys, drafters) else "plain"
+            m.every = self.PROBE_FIRST
+        m.since += 1
+        if m.run:  # a run of the other kind goes on
+            m.run -= 1
+            if m.run:
+                return 0 if m.mode == "drafting" else max(self._best(m, keys, drafters), 1)
+            self._settle(m)  # the run is over: compare
+        if m.mode == "drafting":
+            best = self._best(m, keys, drafters)
+            if not best:  # the model says plain
+                m.mode, m.every, m.since = "plain", self.PROBE_FIRST, 0
+                return 0
+            if m.since < self.MEASURE_EVERY:
+                return best
+            m.run, m.since = self.RUN, 0  # time plain rounds again
+            return 0
+        if m.since >= m.every:
+            m.run, m.since = self.RUN, 0
+            return max(self._best(m, keys, drafters), 1)
+        return 0
+
+    def _settle(self, m: Measured) -> None:
+        """After a run of the other kind: switch where it gave clearly more tokens a second."""
+        drafting, plain = m.rate(True), m.rate(False)
+        if m.mode == "drafting" and drafting * self.MARGIN < plain:
+            m.mode, m.every = "plain", self.PROBE_FIRST
+        elif m.mode == "plain":
+            if drafting > plain * self.MARGIN:
+                m.mode = "drafting"
+            else:
+                m.every = min(2 * m.every, self.PROBE_LAST)
 
     def record(self, keys: list, ks: list[int], accepted: list[int], S: int, tokens: int, seconds: float,
                verify_time: float, draft_times: dict[int, tuple[float, int]]) -> None:
-        """A round's outcome: each row's K and accepted drafts, S tokens a row
-        verified in `verify_time`, `tokens` produced in `seconds`; per drafter
-        (by id), its drafting time and steps."""
+        """A round's outcome: each row's K (a tree: its depth) and accepted drafts,
+        S tokens a row verified (a tree's nodes) in `verify_time`, `tokens`
+        produced in `seconds`; per drafter (by id), its drafting time and steps.
+        A verification's cost is kept by the K it was chosen for: a tree of that
+        depth costs what its width costs."""
         m = self.measured(len(keys))
-        first = S not in m.seen  # a length's first round also compiles: not a cost to learn from
+        first = S not in m.seen  # a shape's first round also compiles: not a cost to learn from
         m.seen.add(S)
+        drafting = any(ks)
         if not first:
-            m.verify[S] = ema(m.verify.get(S), verify_time, DECAY)
-            spec = S > 1
+            m.times.setdefault(max(ks) + 1, deque(maxlen=RECENT)).append(verify_time)
             d = self.RATE_DECAY
-            m.tokens[spec] = d * m.tokens[spec] + tokens
-            m.seconds[spec] = d * m.seconds[spec] + seconds
-            m.rounds[spec] += 1
-        m.since_plain = m.since_plain + 1 if S > 1 else 0
+            m.tokens[drafting] = d * m.tokens[drafting] + tokens
+            m.seconds[drafting] = d * m.seconds[drafting] + seconds
         for drafter, (t, steps) in draft_times.items():
             if steps == 0:
                 self.catching_up.add(drafter)  # after plain rounds, a drafter first reads what it missed
             elif first or drafter in self.catching_up:
                 self.catching_up.discard(drafter)
-            else:
+            else:  # per drafted token (a drafter whose cost is flat in K counts one)
                 self.draft_cost[drafter] = ema(self.draft_cost.get(drafter), t / steps, DECAY)
         for key, k, n in zip(keys, ks, accepted):
             if k:

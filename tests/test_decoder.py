@@ -95,7 +95,7 @@ def batch_tv(target, draft, p, params, rows=12):
     mx.random.seed(0)
     counts = dict.fromkeys(p, 0)
     for start in range(0, N, rows):
-        decoder = Decoder(target, k_max=3)
+        decoder = Decoder(target, num_draft=3)  # every round drafts: the rule is what is tested
         drafters = [DraftModel(draft, V), PromptLookup(1, 3)]  # half the rows each, batched per drafter
         for i in range(rows):
             decoder.add(i, STAT_PROMPT, params, 3, drafters[i % 2])

@@ -56,8 +56,8 @@ class Kind:
 class Draft:
     """A chain or a tree of proposed tokens.
 
-    `tokens` [K] may still be lazy (the draft model's are), so drafting and
-    verification can be evaluated together. `log_probs` [K, V] are the
+    `tokens` [K] may still be lazy (a batch's drafts are evaluated together, while
+    the verification is built). `log_probs` [K, V] are the
     distributions the tokens were drawn from; None for a deterministic drafter
     (the acceptance rule then treats p as one-hot). For a tree, `parents[i]`
     is node i's parent (-1: a child of the last context token; see
@@ -93,9 +93,9 @@ class Draft:
     def rows(cls, tokens: mx.array, lp: mx.array | None, ks: list[int]) -> list[Draft]:
         """Each row's chain from a batch drafted together: tokens `[B, K]`, the
         distributions they were drawn from `[B, K, V]` (None: greedy); row b cut
-        to `ks[b]`. Evaluated at once."""
+        to `ks[b]`. Left lazy: the decoder evaluates every draft together, and
+        builds the verification while they compute."""
         draft = tokens.astype(mx.int32)
-        mx.eval(draft, lp)
         return [cls(draft[b, :k], lp[b, :k] if lp is not None else None) for b, k in enumerate(ks)]
 
 
@@ -120,6 +120,8 @@ class Drafter(ABC):
     kind = "drafter"  # its --drafter kind
     # True when drafting costs model forwards (so the loop weighs its cost).
     costly = False
+    # False when a round's drafting costs the same whatever K (a whole block in one forward).
+    cost_per_token = True
     # The target's hidden states this drafter reads (indices as the target's
     # `capture`); the verification returns them to `commit`.
     capture: tuple[int, ...] = ()

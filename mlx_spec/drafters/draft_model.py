@@ -33,8 +33,9 @@ class DraftModel(RowStates):
         return self.cache
 
     def new_row(self) -> dict:
-        # the tokens whose K/V the cache holds; the context's length at the last proposal
-        return {"cached": [], "base": 0}
+        # the tokens whose K/V the cache holds; the context's length at the last proposal;
+        # the drafted tokens it wrote then (lazy), until the commit
+        return {"cached": [], "base": 0, "drafted": None}
 
     def new_session(self) -> DraftModel:
         return DraftModel(self.model, self.vocab, self.path)
@@ -52,6 +53,9 @@ class DraftModel(RowStates):
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The cache holds the old context and the draft but its last token; keep
         # the drafted tokens the target accepted (the context has them next).
+        if self.drafted[b] is not None:  # evaluated by now
+            self.cached[b].extend(self.drafted[b].tolist())
+            self.drafted[b] = None
         base = self.base[b]
         n = common_prefix(self.cached[b][base:], context[base:])
         self._keep(b, min(base + n, len(context) - 1))
@@ -92,11 +96,11 @@ class DraftModel(RowStates):
             if i + 1 < K:
                 logits, _ = self.model(token[:, None], self.cache)
                 last = logits[:, -1]
-        drafts = Draft.steps(tokens, dists, ks)
-        # The cache now holds each context and every draft token but the last.
-        for held, d in zip(self.cached, mx.stack(tokens, axis=1)[:, : K - 1].tolist()):
-            held.extend(d)
-        return drafts
+        # The cache now holds each context and every draft token but the last: those
+        # join `cached` at the commit, once evaluated.
+        written = mx.stack(tokens, axis=1)[:, : K - 1]  # [B, K - 1]
+        self.drafted = [written[b] for b in range(len(ks))]
+        return Draft.steps(tokens, dists, ks)
 
 
 def build(target: Model, o: Options) -> DraftModel:

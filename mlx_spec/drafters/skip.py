@@ -153,7 +153,7 @@ class SkipDrafter(DraftModel):
                 save_skip_set(self.save_to, skip, self.target)
             self.model, self.searched = SkipView(self.target, skip), True
             self.cache = self.model.make_cache(self.rows)
-            self.cached = [[] for _ in range(self.rows)]
+            self.cached, self.drafted = [[] for _ in range(self.rows)], [None] * self.rows
         return super().restart(b, prompt, cached)
 
 
