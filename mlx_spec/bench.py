@@ -86,37 +86,43 @@ def batch_sizes(value: str) -> list[int]:
     return sizes
 
 
-def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int) -> list[dict]:
-    """Greedy throughput of B sequences decoded together (`Decoder`), per batch
-    size and method, and the mean draft length the policy chose: where
+def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
+                        temps: list[float], batches: int = 2) -> list[dict]:
+    """Throughput of B sequences decoded together (`Decoder`), per batch size,
+    temperature and method, and the mean draft length the policy chose: where
     verification stops being memory-bound, it drafts less, then not at all. As a
     server would, each method's decoder serves a first batch (compiling, and
-    measuring what drafting costs at this batch size), then the measured one."""
+    measuring what drafting costs at this batch size), then `batches` measured
+    ones; the methods take turns, batch by batch, so the machine's drift is shared."""
     from mlx_spec.decoding import Decoder
 
-    greedy = SamplingParams()
     out = []
-    for B in sizes:
-        for name, drafter in drafters.items():
-            if drafter is not None and drafter.one_row and B > 1:
-                continue
-            decoder = Decoder(model)
-            session = drafter.new_session() if drafter is not None else None  # one drafter for the batch
-            for batch in range(2):
+    for temp, B in ((t, b) for t in temps for b in sizes):
+        params = SamplingParams(temp=temp)
+        runs = {name: (Decoder(model), drafter.new_session() if drafter is not None else None)
+                for name, drafter in drafters.items() if drafter is None or not drafter.one_row or B == 1}
+        totals = {name: [0, 0.0, 0, 0] for name in runs}  # tokens, seconds, rounds, drafted
+        for batch in range(batches + 1):
+            for name, (decoder, session) in runs.items():  # one drafter session for the whole batch
+                mx.random.seed(batch)
                 for i in range(B):
-                    decoder.add((batch, i), prompts[(i + batch) % len(prompts)], greedy, n, session)
-                produced = drafted = rounds = 0
+                    decoder.add((batch, i), prompts[(i + batch) % len(prompts)], params, n, session)
                 tic = time.perf_counter()
+                produced = rounds = drafted = 0
                 while decoder.rows:
                     events = decoder.step()
                     rounds += 1
                     produced += sum(len(e.tokens) for e in events.values())
                     drafted += max(e.depth for e in events.values())
-                seconds = time.perf_counter() - tic
-            out.append({"name": name, "batch": B, "tps": produced / seconds, "mean_k": drafted / rounds})
-    plain = {r["batch"]: r["tps"] for r in out if r["name"] == PLAIN}
+                if batch:  # the first batch warms up
+                    t = totals[name]
+                    t[0], t[1], t[2], t[3] = t[0] + produced, t[1] + time.perf_counter() - tic, t[2] + rounds, \
+                        t[3] + drafted
+        for name, (tokens, seconds, rounds, drafted) in totals.items():
+            out.append({"name": name, "batch": B, "temp": temp, "tps": tokens / seconds, "mean_k": drafted / rounds})
+    plain = {(r["batch"], r["temp"]): r["tps"] for r in out if r["name"] == PLAIN}
     for r in out:
-        r["ratio_to_plain"] = r["tps"] / plain[r["batch"]]
+        r["ratio_to_plain"] = r["tps"] / plain[r["batch"], r["temp"]]
     return out
 
 
@@ -336,7 +342,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                         row.identical &= tokens == plain_tokens
         rows += table.values()
     # Batches decode up to 64 tokens a sequence: enough for the policy to settle, a batch of 16 in seconds.
-    concurrency = measure_concurrency(model, drafters, prompts, sizes, min(n, 64)) if sizes else []
+    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, max(2, args.repeats))
+                   if sizes else [])
     weights = tree_flatten(model.parameters())
     step_bytes = sum(v.nbytes for _, v in weights)  # read once per target step (the KV cache aside)
     bandwidth = memory_bandwidth()
@@ -384,11 +391,11 @@ def format_report(report: dict) -> str:
     if report["concurrency"]:
         sizes = sorted({r["batch"] for r in report["concurrency"]})
         lines.append("")
-        lines.append("throughput, tokens/s of all rows together (greedy), by batch size (mean K drafted a round):")
-        lines.append(f"{'':30} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
-        for name in dict.fromkeys(r["name"] for r in report["concurrency"]):
-            cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name}
-            lines.append(f"{name:30} " + " ".join(
+        lines.append("throughput, tokens/s of all rows together, by batch size (mean K drafted a round):")
+        lines.append(f"{'':30} {'temp':>4} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
+        for name, temp in dict.fromkeys((r["name"], r["temp"]) for r in report["concurrency"]):
+            cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name and r["temp"] == temp}
+            lines.append(f"{name:30} {temp:4.1f} " + " ".join(
                 f"{cells[b]['tps']:8.1f} {cells[b]['ratio_to_plain']:4.2f}x K{cells[b]['mean_k']:3.1f}" if b in cells
                 else f"{'':18}" for b in sizes))
     return "\n".join(lines + notes)

@@ -210,9 +210,10 @@ class Decoder:
             events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted,
                                       draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth)
         depths = [e.depth for e in events.values()]
+        end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
         self.policy.record([r.key for r in rows], depths, [e.accepted for e in events.values()],
-                           inputs.shape[1], sum(len(e.tokens) for e in events.values()),
-                           time.perf_counter() - tic, toc - mid, draft_times)
+                           inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic, end - mid,
+                           draft_times)
         self._finish()
         return events
 
@@ -270,8 +271,9 @@ class Decoder:
         # Reading a token waits for what is queued after it: a round that queues the next without
         # having been queued itself waits for two forwards, the next one for none.
         if drafters and queued == (self.queued is not None):
+            end = time.perf_counter()
             self.policy.record([r.key for r in self.rows], [0] * len(self.rows), [0] * len(self.rows), 1,
-                               len(tokens), toc - tic, toc - tic, drafters)
+                               len(tokens), end - tic, end - tic, drafters)
         self._finish()
         return events
 

@@ -12,7 +12,7 @@ batch size and verified length, with a line through the measured lengths for
 the others. The K with the least time per token wins; K = 0 is plain decoding.
 
 One row starts optimistic (K at its most) and follows the model, probing again
-after a few plain rounds. A batch is where the model is least reliable
+after a few plain rounds (further apart while the probes lose). A batch is where the model is least reliable
 (padding, rows whose drafter finds nothing, a forward that turns
 compute-bound), so there the measured throughput of whole rounds decides
 whether to draft at all: it first times plain rounds and one-token drafts;
@@ -55,9 +55,12 @@ class Acceptance:
     PRIOR = 0.8  # alpha where a position has not been reached yet, weak
 
     def rate(self, i: int) -> float:
-        if i >= len(self.reached):
+        """Position i's rate; a position never reached yet is taken as the last one reached."""
+        seen = [j for j in range(min(i + 1, len(self.reached))) if self.reached[j] > 0]
+        if not seen:
             return self.PRIOR
-        return (self.accepted[i] + self.PRIOR) / (self.reached[i] + 1)
+        j = i if i in seen else seen[-1]
+        return (self.accepted[j] + self.PRIOR) / (self.reached[j] + 1)
 
     def tokens(self, k: int) -> float:
         """Expected tokens of a round of k drafts: 1 + a_0 + a_0 a_1 + ..."""
@@ -91,7 +94,7 @@ class Measured:
     mode: str = "explore"  # a batch: explore, drafting or plain
     run: int = 0  # rounds left of a run of the other kind (plain while drafting, drafting while plain)
     since: int = 0  # rounds since the last such run
-    every: int = 0  # while plain: rounds between two drafting runs
+    every: int = 0  # while plain: rounds between two drafting runs (one row: probes)
     plain_rounds: int = 0  # one row: plain rounds since the last probe
 
     def verify_time(self, S: int) -> float:
@@ -117,11 +120,11 @@ class Policy:
     """K per row each round, from the rows' acceptance, each drafter's measured
     cost and the measured verification times at this batch size."""
 
-    PROBE_EVERY = 4  # one row: plain rounds between two probes
+    PROBE_EVERY, PROBE_EVERY_LAST = 4, 64  # one row: plain rounds between two probes, doubling
     PROBE_K = 2
-    RUN = 4  # a batch: rounds in a run of the other kind
+    RUN = 3  # a batch: rounds in a run of the other kind
     MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs
-    PROBE_FIRST, PROBE_LAST = 32, 1024  # a batch, plain: rounds between two drafting runs, doubling
+    PROBE_FIRST, PROBE_LAST = 64, 1024  # a batch, plain: rounds between two drafting runs, doubling
     MARGIN = 1.03  # a batch changes mode only for at least this much more throughput
     RATE_DECAY = 0.95  # per round, of the running sums of tokens and seconds
 
@@ -129,6 +132,10 @@ class Policy:
         self.k_max, self.fixed = (fixed or k_max), fixed
         self.by_size: dict[int, Measured] = {}
         self.acceptance: dict[object, Acceptance] = {}  # row key -> its drafts' acceptance
+        # id(drafter) -> its rows' acceptance pooled: where a new row starts (a drafter that rarely
+        # hits at this temperature starts its next sequence knowing it)
+        self.pooled: dict[int, Acceptance] = {}
+        self.owner: dict[object, int] = {}  # row key -> id(its drafter)
         self.draft_cost: dict[int, float] = {}  # id(drafter) -> seconds per drafting step
         self.catching_up: set[int] = set()  # drafters whose next round first reads the tokens they missed
 
@@ -137,6 +144,14 @@ class Policy:
 
     def forget(self, key) -> None:
         self.acceptance.pop(key, None)
+        self.owner.pop(key, None)
+
+    def _acceptance(self, key, drafter) -> Acceptance:
+        if key not in self.acceptance:
+            self.owner[key] = id(drafter)
+            pooled = self.pooled.get(id(drafter))
+            self.acceptance[key] = Acceptance(list(pooled.accepted), list(pooled.reached)) if pooled else Acceptance()
+        return self.acceptance[key]
 
     def choose(self, keys: list, drafters: list, rooms: list[int]) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not)."""
@@ -154,20 +169,23 @@ class Policy:
             return False
         m = self.measured(len(keys))
         if len(keys) == 1:
-            return bool(m.times) and self._best(m, keys, drafters) == 0 and m.plain_rounds + 1 < self.PROBE_EVERY
+            return bool(m.times) and self._best(m, keys, drafters) == 0 and \
+                m.plain_rounds + 1 < (m.every or self.PROBE_EVERY)
         if m.mode == "plain":
             return m.run == 0 and m.since + 1 < m.every
         return m.mode == "drafting" and m.run > 1
 
     def _time_per_token(self, m: Measured, keys: list, drafters: list, k: int) -> float:
-        tokens = sum(self.acceptance.setdefault(key, Acceptance()).tokens(k) if d is not None else 1.0
-                     for key, d in zip(keys, drafters))
+        tokens = sum(self._acceptance(key, d).tokens(k) if d is not None else 1.0 for key, d in zip(keys, drafters))
         drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d), 0.0)
                        for d in {id(d): d for d in drafters if d}.values() if d.costly)
         return (drafting + m.verify_time(k + 1)) / tokens
 
     def _best(self, m: Measured, keys: list, drafters: list) -> int:
-        return min(range(self.k_max + 1), key=lambda k: self._time_per_token(m, keys, drafters, k))
+        """The K with the least time per token; drafting only where it promises `MARGIN` over plain."""
+        times = [self._time_per_token(m, keys, drafters, k) for k in range(self.k_max + 1)]
+        best = min(range(self.k_max + 1), key=times.__getitem__)
+        return best if times[best] * self.MARGIN < times[0] else 0
 
     def _one(self, keys: list, drafters: list) -> int:
         """One row: the model decides; after a few plain rounds, a probe."""
@@ -176,10 +194,12 @@ class Policy:
             return self.k_max  # start optimistic: the measured costs soon say
         best = self._best(m, keys, drafters)
         if best:
+            m.every = 0
             return best
         m.plain_rounds += 1
-        if m.plain_rounds >= self.PROBE_EVERY:  # in case acceptance or costs changed
+        if m.plain_rounds >= (m.every or self.PROBE_EVERY):  # in case acceptance or costs changed
             m.plain_rounds = 0
+            m.every = min(2 * (m.every or self.PROBE_EVERY), self.PROBE_EVERY_LAST)
             return min(self.PROBE_K, self.k_max)
         return 0
 
@@ -250,3 +270,5 @@ class Policy:
         for key, k, n in zip(keys, ks, accepted):
             if k:
                 self.acceptance.setdefault(key, Acceptance()).update(k, n)
+                if key in self.owner:
+                    self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
