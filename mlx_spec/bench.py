@@ -24,7 +24,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec.decoding import StepEvent, plain_steps, speculative_steps
+from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.metrics import StepEvent
 from mlx_spec.policy import expected_tokens
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import Metrics

@@ -9,15 +9,14 @@
     events         <- one `StepEvent` per row
 
 `generate`, the chat and the benchmark run a batch of one (`speculative_steps`);
-the server runs the same rounds with more rows, joining and leaving between
-rounds. Exact: greedy output equals plain greedy decoding token for token, and
-sampled output is distributed as the target's (see `sampling.accept`).
-"""
+the server the same rounds with more rows, joining and leaving between rounds.
+Exact: greedy output is plain greedy decoding's, token for token; sampled
+output is distributed as the target's (`sampling.accept`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -28,29 +27,11 @@ from mlx_spec.attention import TreeMask
 from mlx_spec.cache import KVCache, cut_cache, keep_cache, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
+from mlx_spec.metrics import StepEvent
 from mlx_spec.policy import Policy
 from mlx_spec.sampling import SamplingParams, accept
 
 PREFILL_STEP = 512
-
-
-@dataclass
-class StepEvent:
-    tokens: list[int]  # committed this step, in order
-    from_draft: list[bool]  # which of `tokens` came from the draft
-    drafted: list[int] = field(default_factory=list)  # what the drafter proposed (a tree's nodes in order)
-    draft_time: float = 0.0  # seconds
-    verify_time: float = 0.0
-    tree_depth: int | None = None  # for a tree draft: its depth
-
-    @property
-    def depth(self) -> int:
-        """Draft positions verified this round: a chain's length, a tree's depth."""
-        return len(self.drafted) if self.tree_depth is None else self.tree_depth
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.from_draft)
 
 
 def prefill(model, tokens: Sequence[int], cache: list[KVCache], capture: tuple[int, ...] = (),
@@ -102,14 +83,12 @@ class Decoder:
 
     def add(self, key, prompt: list[int], params: SamplingParams, max_tokens: int,
             drafter: Drafter | None = None) -> None:
-        """A new row. With a kept cache, the first row keeps as much of it as the
-        drafter's own state still matches (a chat's earlier turns). The first row
-        of a drafter that holds one row already continues that row (a session)."""
+        """A new row. With a kept cache, the first row keeps what the drafter's own state
+        still matches (a chat's earlier turns), and a drafter's one row is continued."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if drafter is not None and drafter.one_row and self.rows:
-            raise UserError(f"the {drafter.kind} drafter drafts into the target's own cache: "
-                            "it decodes one sequence at a time, not a batch")
+            raise UserError(f"the {drafter.kind} drafter drafts into the target's own cache: one sequence at a time")
         self._unqueue()
         single, held = (self.cache, self.cache[0].lengths[0]) if self.held else (self.model.make_cache(), 0)
         if held >= len(prompt):
@@ -179,16 +158,20 @@ class Decoder:
                 drafts[b] = draft.to_depth(ks[b])  # a round never commits more than k + 1 tokens
         lazy = [a for d in drafts for a in (d.tokens, d.log_probs) if a is not None]
         mx.async_eval(lazy)  # the drafts compute while the verification is built
-        capture = tuple(sorted({i for r in rows if r.drafter is not None for i in r.drafter.capture}))
+        built = time.perf_counter()
+        capture = self._capture()
         inputs, positions, mask = self._inputs(drafts, starts)
         one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
         if one is not None and positions is None:  # self-speculation may reuse its own forward
             logits, hidden = one.verify_forward(self.model, inputs, self.cache, capture)
         else:
             logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
+        building = time.perf_counter() - built
         mx.eval(lazy)
         mid = time.perf_counter()
-        draft_times = {key: ((mid - tic) / len(drafters), k) for key, k in steps.items()}
+        # The drafts computed while the verification was built: that building is the verification's.
+        drafting = max(mid - tic - building, built - tic)
+        draft_times = {key: (drafting / len(drafters), k) for key, k in steps.items()}
         verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
         for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
             if draft.parents is None:
@@ -200,20 +183,14 @@ class Decoder:
         for b, (r, draft, (path, token)) in enumerate(zip(rows, drafts, verdicts)):
             drafted = draft.tokens.tolist()
             tokens = [drafted[i] for i in path] + [token]
-            r.context.extend(tokens)
-            r.produced += len(tokens)
-            if r.drafter is not None:
-                sel = mx.array([0] + [i + 1 for i in path])
-                r.drafter.commit(r.slot, r.context,
-                                 tuple(hidden[capture.index(i)][b : b + 1, sel] for i in r.drafter.capture))
+            self._commit(b, r, tokens, hidden, capture, mx.array([0] + [i + 1 for i in path]))
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
             events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted,
                                       draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth)
-        depths = [e.depth for e in events.values()]
         end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
-        self.policy.record([r.key for r in rows], depths, [e.accepted for e in events.values()],
-                           inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic, end - mid,
-                           draft_times)
+        self.policy.record([r.key for r in rows], [e.depth for e in events.values()], [e.accepted for e in events.values()],
+                           inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic,
+                           end - tic - drafting, draft_times)
         self._finish()
         return events
 
@@ -244,11 +221,10 @@ class Decoder:
         return tokens, mx.array(positions), mx.array(mask)
 
     def _plain_step(self) -> dict[object, StepEvent]:
-        """A round of plain decoding for every row. The next round is queued with
-        `mx.async_eval` before this one's tokens are read, so the host builds it
-        while the device computes; drafters read the target's features all the same."""
+        """A plain round for every row; drafters still read the target's features.
+        The next round is queued before this one's tokens are read (the host builds it meanwhile)."""
         tic = time.perf_counter()
-        capture = tuple(sorted({i for r in self.rows if r.drafter is not None for i in r.drafter.capture}))
+        capture = self._capture()
         queued = self.queued is not None
         y, hidden = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
         mx.async_eval(y)
@@ -262,14 +238,10 @@ class Decoder:
         toc = time.perf_counter()
         events = {}
         for b, (r, token) in enumerate(zip(self.rows, tokens)):
-            r.context.append(token)
-            r.produced += 1
-            if r.drafter is not None:
-                r.drafter.commit(r.slot, r.context, tuple(hidden[capture.index(i)][b : b + 1] for i in r.drafter.capture))
+            self._commit(b, r, [token], hidden, capture)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic)
         drafters = {id(r.drafter): (0.0, 0) for r in self.rows if r.drafter is not None}
-        # Reading a token waits for what is queued after it: a round that queues the next without
-        # having been queued itself waits for two forwards, the next one for none.
+        # Reading a token waits for what is queued after it: timed right only where both or neither are.
         if drafters and queued == (self.queued is not None):
             end = time.perf_counter()
             self.policy.record([r.key for r in self.rows], [0] * len(self.rows), [0] * len(self.rows), 1,
@@ -282,6 +254,18 @@ class Decoder:
         states `capture` names there (lazy)."""
         logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
         return draw_rows(logits[:, -1], [r.params for r in self.rows])[0], hidden
+
+    @staticmethod
+    def _commit(b: int, r: Row, tokens: list[int], hidden: tuple, capture: tuple, at=slice(None)) -> None:
+        """Row b takes its round's tokens; its drafter hears them, with the target's features `at` them."""
+        r.context.extend(tokens)
+        r.produced += len(tokens)
+        if r.drafter is not None:
+            r.drafter.commit(r.slot, r.context, tuple(hidden[capture.index(i)][b : b + 1, at] for i in r.drafter.capture))
+
+    def _capture(self) -> tuple[int, ...]:
+        """The target's hidden states the rows' drafters read, each index once."""
+        return tuple(sorted({i for r in self.rows if r.drafter is not None for i in r.drafter.capture}))
 
     def _unqueue(self) -> None:
         """Rows change: a queued plain round no longer fits the batch."""
@@ -311,5 +295,5 @@ def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_
 
 def plain_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
                 cache: list[KVCache] | None = None) -> Iterator[StepEvent]:
-    """Plain decoding of one sequence, one token per event (the reference every drafter must equal)."""
+    """Plain decoding of one sequence (the reference every drafter must equal)."""
     return speculative_steps(model, prompt, params, max_tokens, cache=cache)

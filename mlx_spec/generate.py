@@ -8,7 +8,8 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from mlx_spec.decoding import StepEvent, plain_steps
+from mlx_spec.decoding import plain_steps
+from mlx_spec.metrics import StepEvent
 from mlx_spec.metrics import Metrics
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams

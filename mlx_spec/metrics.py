@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_spec.decoding import StepEvent
+
+@dataclass
+class StepEvent:
+    tokens: list[int]  # committed this step, in order
+    from_draft: list[bool]  # which of `tokens` came from the draft
+    drafted: list[int] = field(default_factory=list)  # what the drafter proposed (a tree's nodes in order)
+    draft_time: float = 0.0  # seconds
+    verify_time: float = 0.0
+    tree_depth: int | None = None  # for a tree draft: its depth
+
+    @property
+    def depth(self) -> int:
+        """Draft positions verified this round: a chain's length, a tree's depth."""
+        return len(self.drafted) if self.tree_depth is None else self.tree_depth
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.from_draft)
 
 
 @dataclass

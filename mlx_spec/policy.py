@@ -124,7 +124,9 @@ class Policy:
     PROBE_K = 2
     RUN = 3  # a batch: rounds in a run of the other kind
     MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs
-    PROBE_FIRST, PROBE_LAST = 64, 1024  # a batch, plain: rounds between two drafting runs, doubling
+    # A batch, plain: rounds between two drafting runs, doubling. A drafter that reads the target's
+    # features catches up on every token it missed when it next drafts: with many rows that costs.
+    PROBE_FIRST, PROBE_LAST = 256, 4096
     MARGIN = 1.03  # a batch changes mode only for at least this much more throughput
     RATE_DECAY = 0.95  # per round, of the running sums of tokens and seconds
 

@@ -3,7 +3,7 @@
 import pytest
 
 import mlx_spec.bench as bench
-from mlx_spec.decoding import StepEvent
+from mlx_spec.metrics import StepEvent
 from mlx_spec.metrics import Metrics
 from mlx_spec.models import load_model
 
