@@ -8,6 +8,11 @@ file is the `state_dict` of K heads of L residual blocks and an LM head:
 `{k}.{j}.linear.weight` [H, H], `{k}.{j}.linear.bias` [H] (j < L) and
 `{k}.{L}.weight` [V, H]; these names are kept as they are.
 
+Medusa-2 repos (FasterDecoding's `medusa-1.0-*`) are a whole fine-tuned model
+whose checkpoint also holds the heads, as `medusa_head.{k}.{j}...` beside
+`model.*` and `lm_head.weight` (MedusaLlamaModel's `state_dict`); the heads are
+read from its shards, the model being the target.
+
 The configs are not to be trusted: vicuna's say 2 heads while the files hold 5
 (FasterDecoding's loader hard-codes 5). So K and L come from the tensor names,
 H and V from the shapes, and the config written says what the file holds.
@@ -22,7 +27,7 @@ import mlx.core as mx
 
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
-from mlx_spec.weights import Weights, read_safetensors_file, read_torch_file
+from mlx_spec.weights import Weights, read_safetensors_file, read_torch_file, read_weights
 from mlx_spec.drafters.medusa import check_medusa_fits
 from mlx_spec.drafters.medusa import MedusaHeads
 from mlx_spec.errors import UserError
@@ -31,11 +36,13 @@ from mlx_spec.models.llama import Model
 from mlx_spec.models.load import read_json
 
 NAME = "medusa"
-DESCRIPTION = "FasterDecoding's Medusa-1 heads in medusa_lm_head.safetensors or .pt"
+DESCRIPTION = ("FasterDecoding's Medusa-1 heads in medusa_lm_head.safetensors or .pt, and the heads inside "
+               "a Medusa-2 model")
 # load_medusa reads unquantized weights only.
 QUANTIZABLE = False
 
 FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # the first present is read
+PREFIX = "medusa_head."  # a Medusa-2 model's heads
 FIELDS = ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size")
 
 _BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(?:weight|bias)")
@@ -47,22 +54,26 @@ def detect(source: Source) -> bool:
 
 
 def fetch(source: Source) -> Path:
-    # One copy of the heads: the safetensors file when there is one.
+    # One copy of the heads: the safetensors file when there is one; else a Medusa-2 model's shards.
     for name in FILES:
         path = hub.resolve(source.name, source.revision, ["config.json", name])
         if (path / name).exists():
             return path
-    return path  # holds neither: `convert` says so
+    return hub.resolve(source.name, source.revision, ["*.json", "*.safetensors", "*.bin"])
 
 
-def _heads_file(path: Path) -> Path:
+def _read_heads(path: Path) -> tuple[Weights, dict[str, Path], Path]:
+    """The heads' tensors under their Medusa-1 names, each one's file, and the file to name in messages."""
     for name in FILES:
-        if (path / name).exists():
-            return path / name
-    raise UserError(
-        f"{path}: no {' or '.join(FILES)} (Medusa-2 models, whose heads sit inside the base "
-        "model's checkpoint, are not supported)"
-    )
+        file = path / name
+        if file.exists():
+            weights = read_safetensors_file(file) if file.suffix == ".safetensors" else read_torch_file(file)
+            return weights, {k: file for k in weights}, file
+    model, origin = read_weights(path) if any(path.glob("*.safetensors")) or any(path.glob("*.bin")) else ({}, {})
+    heads = {k.removeprefix(PREFIX): model[k] for k in model if k.startswith(PREFIX)}
+    if not heads:
+        raise UserError(f"{path}: no {' or '.join(FILES)}, and no '{PREFIX}*' tensors of a Medusa-2 model")
+    return heads, {k.removeprefix(PREFIX): origin[k] for k in model if k.startswith(PREFIX)}, path
 
 
 def _layout(weights: Weights, file: Path) -> tuple[int, int, int, int]:
@@ -122,11 +133,10 @@ def _layout(weights: Weights, file: Path) -> tuple[int, int, int, int]:
 
 
 def convert(path: Path, source: Source) -> Converted:
-    file = _heads_file(path)
-    weights = read_safetensors_file(file) if file.suffix == ".safetensors" else read_torch_file(file)
+    weights, origin, file = _read_heads(path)
     layout = _layout(weights, file)
-    config = {**source.config, **dict(zip(FIELDS, layout))}
-    return Converted(config, weights, {name: file for name in weights})
+    config = {k: v for k, v in source.config.items() if k in ("base_model_name_or_path", "_name_or_path")}
+    return Converted({**config, **dict(zip(FIELDS, layout))}, weights, origin)
 
 
 def build(config: dict) -> MedusaHeads:

@@ -91,11 +91,12 @@ def convert(
     q_bits: int | None = None,
     q_group_size: int = 64,
     force: bool = False,
+    family: Family | None = None,
 ) -> str:
-    """Convert SOURCE into OUT; returns a one-line summary."""
+    """Convert SOURCE into OUT (as `family`, by default the one that recognises it); returns a one-line summary."""
     check_out(out, force)  # before downloading anything
     source = read_source(source_name, revision)
-    family = detect(source)
+    family = family or detect(source)
     if q_bits and not getattr(family, "QUANTIZABLE", True):  # before anything big is fetched
         raise UserError(
             f"--quantize: {family.NAME} checkpoints cannot be quantized (they are loaded unquantized); convert without -q"

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 from mlx_spec.decoding import speculative_steps
 from mlx_spec.drafters import Drafter, make_drafter
+from mlx_spec.errors import UserError
 from mlx_spec.generate import Generation, stream_generate
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.tokenizer import encode_prompt, thinking_args
@@ -37,18 +38,71 @@ class Target:
     revision: str | None = None
 
 
-def load(model: str = "demo", revision: str | None = None) -> Target:
-    """A target by the names `--model` takes: a folder, a Hub repo id, or a short name."""
+def load(model: str = "demo", revision: str | None = None, *, extra_eos: Sequence[str] = (),
+         adapter_path: str | Path | None = None, report: Callable[[str], None] | None = None) -> Target:
+    """A target by the names `--model` takes: a folder, a Hub repo id, or a short name.
+    It stops on every EOS id its generation config (or config) and tokenizer
+    declare, and on `extra_eos` (`--extra-eos-token`: tokens or ids);
+    `adapter_path` (`--adapter-path`) is a folder of mlx-lm LoRA adapters to apply.
+    A model in `pytorch_model.bin` form is converted on first use (`report` hears it)."""
+    from mlx_spec.convert.first_use import ready, stderr_line
     from mlx_spec.models import load_model
-    from mlx_spec.tokenizer import load_tokenizer
+    from mlx_spec.tokenizer import add_eos_tokens, load_tokenizer, model_eos_ids
 
-    loaded, path = load_model(model, revision)
-    return Target(loaded, load_tokenizer(path), Path(path), model, revision)
+    folder = ready("target", model, revision, None, report or stderr_line)
+    # Compiled layers keep the weights they were traced with: compile once the adapters are in.
+    loaded, path = load_model(folder, revision if folder == model else None, for_training=adapter_path is not None)
+    if adapter_path is not None:
+        load_adapters(loaded, Path(adapter_path))
+        loaded.compile()
+    path = Path(path)
+    tokenizer = load_tokenizer(path, model_eos_ids(path))
+    add_eos_tokens(tokenizer, extra_eos)
+    return Target(loaded, tokenizer, path, model, revision)
 
 
-def drafter(spec: str, target: Target, **flags) -> Drafter | None:
+def load_adapters(model, path: Path) -> None:
+    """Apply the LoRA (or DoRA, or full) adapters mlx-lm's trainer saves in `path`
+    (adapter_config.json and adapters.safetensors) with mlx-lm's own loader."""
+    from mlx_lm.tuner.utils import load_adapters as mlx_lm_load_adapters
+
+    from mlx_spec.models.load import read_json
+
+    if not path.is_dir():
+        raise UserError(f"--adapter-path {path}: no such folder")
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).is_file():
+            raise UserError(f"--adapter-path {path}: no {name} (not a folder of mlx-lm adapters?)")
+    try:
+        read_json(path / "adapter_config.json")
+    except UserError as e:
+        raise UserError(f"--adapter-path {e}") from None
+    try:
+        mlx_lm_load_adapters(model, str(path))
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
+        # mlx-lm names a missing field (KeyError, AttributeError) or lists mismatched tensors over lines
+        raise UserError(f"--adapter-path {path}: not adapters for this model ({' '.join(str(e).split())})") from None
+
+
+def check_published(spec: str, model: str) -> None:
+    """Before a model is downloaded: a `--drafter KIND` alone for `model` must name a
+    published drafter (else the one-line error says none is known)."""
+    from mlx_spec.drafters import published_source
+
+    name, _, source = spec.partition("=")
+    if not source and name not in ("none", "mtp", "medusa"):  # medusa alone may be a Medusa-2 model's own
+        published_source(name, model)
+
+
+def drafter(spec: str, target: Target, report: Callable[[str], None] | None = None, **flags) -> Drafter | None:
     """The drafter `--drafter SPEC` names for `target` (None: plain decoding); `flags`
-    as `drafters.Options` (revision of the drafter's repo, tree_budget, ...)."""
+    as `drafters.Options` (revision: of the drafter's repo, tree_budget, ...). A
+    SOURCE as published is converted on first use; `report` hears that (stderr
+    by default)."""
+    from mlx_spec.convert.first_use import ready, stderr_line
+    from mlx_spec.published import NON_THINKING
+    from mlx_spec.tokenizer import has_thinking_switch
+
     name, _, source = spec.partition("=")
     if name == "mtp" and not source:  # the target checkpoint's own modules
         from mlx_spec.convert.mtp import target_mtp
@@ -57,25 +111,35 @@ def drafter(spec: str, target: Target, **flags) -> Drafter | None:
         net = target_mtp(target.path, target.model)
         check_mtp_fits(net, target.model, f"--drafter {spec}")
         return MTP(net, target.model)
-    return make_drafter(spec, target.model, tokenizer=target.tokenizer, target_source=target.name, **flags)
+    def prepare(kind: str, source: str, revision: str | None) -> str:
+        if source in NON_THINKING and has_thinking_switch(target.tokenizer):
+            (report or stderr_line)(f"{source} was trained on answers given without thinking: "
+                                    "it drafts best with --no-think")
+        return ready(kind, source, revision, target.path, report or stderr_line)
+
+    return make_drafter(spec, target.model, tokenizer=target.tokenizer, target_source=target.name, prepare=prepare,
+                        **flags)
 
 
 def prompt_ids(target: Target, prompt: str | list[int], chat_template: bool = True,
-               think: bool | None = None) -> list[int]:
-    """Token ids of a prompt: the user's message under the chat template (raw
-    text without it); a list of ids is taken as it is."""
+               think: bool | None = None, *, system: str = "", template_args: dict | None = None) -> list[int]:
+    """Token ids of a prompt: the user's message under the chat template, after
+    the `system` message if any (raw text without the template); a list of ids
+    is taken as it is. `template_args` go to the template (`--chat-template-args`),
+    `think` sets their `enable_thinking`."""
     if isinstance(prompt, list):
         return prompt
-    return encode_prompt(target.tokenizer, prompt, chat_template, thinking_args(think))
+    return encode_prompt(target.tokenizer, prompt, chat_template, thinking_args(think, template_args), system)
 
 
 def stream(target: Target, prompt: str | list[int], drafter: Drafter | None = None, *,
            params: SamplingParams | None = None, max_tokens: int = 256, num_draft: int | None = None,
-           chat_template: bool = True, think: bool | None = None, acceptance: str = "exact",
+           chat_template: bool = True, think: bool | None = None, system: str = "",
+           template_args: dict | None = None, acceptance: str = "exact",
            result: Generation | None = None) -> Iterator[str]:
     """The answer's text as it is decoded; `result` (if given) fills with the
     tokens, where each came from, timings and the drafter's metrics."""
-    ids = prompt_ids(target, prompt, chat_template, think)
+    ids = prompt_ids(target, prompt, chat_template, think, system=system, template_args=template_args)
     result = result if result is not None else Generation(prompt_tokens=ids)
 
     def steps(model, prompt, params, max_tokens):
@@ -86,11 +150,14 @@ def stream(target: Target, prompt: str | list[int], drafter: Drafter | None = No
                                result, steps)
 
 
+PROMPT_OPTIONS = ("chat_template", "think", "system", "template_args")  # how `stream` renders a text prompt
+
+
 def generate(target: Target, prompt: str | list[int], drafter: Drafter | None = None, **options) -> Generation:
     """The whole answer (`Generation`: text, tokens, metrics with tau); options as `stream`'s."""
-    result = Generation(prompt_tokens=prompt_ids(target, prompt, options.get("chat_template", True),
-                                                 options.get("think")))
+    rendering = {k: v for k, v in options.items() if k in PROMPT_OPTIONS}
+    result = Generation(prompt_tokens=prompt_ids(target, prompt, **rendering))
     for _ in stream(target, result.prompt_tokens, drafter, result=result,
-                    **{k: v for k, v in options.items() if k not in ("chat_template", "think")}):
+                    **{k: v for k, v in options.items() if k not in PROMPT_OPTIONS}):
         pass
     return result

@@ -202,17 +202,19 @@ def time_run(events: Iterator[StepEvent], n_prompt: int, max_tokens: int, metric
     return n_prompt / (first - start), decode, out
 
 
-def load_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+def load_prompts(args: argparse.Namespace, tokenizer, template_args: dict | None = None) -> list[list[int]]:
     """Token ids of `--prompt`, or of every prompt of the `--prompts` suites and files.
 
     A prompts file is JSONL: `{"prompt": TEXT}` goes through the chat template
-    (`"chat_template": false` feeds it as raw text).
+    (`"chat_template": false` feeds it as raw text), with `template_args`
+    (`--chat-template-args`) and `--think/--no-think`.
     """
-    from mlx_spec.tokenizer import encode_prompt
+    from mlx_spec.tokenizer import encode_prompt, thinking_args
     from mlx_spec.train.data import read_jsonl
 
+    template_args = thinking_args(args.think, template_args)
     if not args.prompts:
-        return [encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template)]
+        return [encode_prompt(tokenizer, args.prompt, not args.no_chat_template, template_args)]
     prompts = []
     for name in args.prompts.split(","):
         path = SUITES / f"{name}.jsonl" if (SUITES / f"{name}.jsonl").is_file() else Path(name)
@@ -225,7 +227,7 @@ def load_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
             chat = row.get("chat_template", True)
             if not isinstance(chat, bool):
                 raise UserError(f"{path}:{n}: 'chat_template' must be true or false")
-            prompts.append(encode_prompt(tokenizer, row["prompt"], chat_template=chat and not args.no_chat_template))
+            prompts.append(encode_prompt(tokenizer, row["prompt"], chat and not args.no_chat_template, template_args))
     return prompts
 
 
@@ -267,7 +269,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     from mlx_spec.drafters.draft_model import DraftModel
 
     model = target.model
-    ref_model, _ = mlx_lm_load(str(target.path))
+    ref_model, _ = mlx_lm_load(str(target.path), adapter_path=args.adapter_path)
     runners: dict[str, Runner] = {
         PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n),
         "mlx-lm": lambda prompt, p, n: _mlx_lm_events(
@@ -281,7 +283,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
             continue
         spec, options = drafter_options(entry, args)
         budget = options["tree-budget"] if spec.partition("=")[0] in TREE_KINDS else None
-        drafter = api.drafter(spec, target, revision=args.revision, tree_budget=budget, depth=options["depth"],
+        drafter = api.drafter(spec, target, revision=args.drafter_revision, tree_budget=budget, depth=options["depth"],
                               topk=options["topk"], block_size=options["block-size"])
 
         def spec_run(prompt, p, n, drafter=drafter, k=options["num-draft"]):
@@ -304,8 +306,8 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     return runners, drafters
 
 
-def run_bench(args: argparse.Namespace) -> dict:
-    """Measure every method at every temperature; the report as a dict."""
+def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> dict:
+    """Measure every method at every temperature; the report as a dict (`template_args`: `load_prompts`')."""
     from mlx_spec import api
 
     if args.repeats < 1 or args.max_tokens < 2:
@@ -313,9 +315,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     if args.num_prompts < 0:
         raise UserError(f"--num-prompts must be >= 0, got {args.num_prompts}")
     sizes = batch_sizes(args.concurrency) if args.concurrency else []
-    target = api.load(args.model, args.revision)
+    target = api.load(args.model, args.revision, adapter_path=args.adapter_path)
     model = target.model
-    prompts = load_prompts(args, target.tokenizer)
+    prompts = load_prompts(args, target.tokenizer, template_args)
     runners, drafters = make_runners(args, target)
     n = args.max_tokens
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
@@ -23,11 +24,73 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("MLX_SPEC_MODEL", "demo"),
                    help="local directory, Hugging Face repo id, or a short name: demo (ships with mlx-spec), "
                         f"{', '.join(hub.ALIASES)} (default: $MLX_SPEC_MODEL, else demo)")
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--revision", default=None, help="Hub revision of --model (branch, tag or commit)")
+
+
+def _add_drafter_revision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter-revision", default=None, metavar="REVISION",
+                   help="Hub revision of the drafter's repo (branch, tag or commit)")
+
+
+def _add_load_args(p: argparse.ArgumentParser, eos: bool = True) -> None:
+    """What the target is loaded with beyond `--model`: adapters, and (`eos`) more stop tokens."""
+    p.add_argument("--adapter-path", default=None, metavar="DIR",
+                   help="apply the LoRA adapters mlx-lm's trainer saved in DIR to the target")
+    if eos:
+        p.add_argument("--extra-eos-token", action="extend", nargs="+", default=[], metavar="TOKEN",
+                       help="also stop at TOKEN (a token of the vocabulary, or its id), beyond the EOS ids "
+                            "of the model's generation config and tokenizer; repeatable")
+
+
+def _load(args: argparse.Namespace):
+    from mlx_spec import api
+
+    api.check_published(args.drafter, args.model)
+    return api.load(args.model, args.revision, extra_eos=args.extra_eos_token, adapter_path=args.adapter_path)
+
+
+@dataclass(frozen=True)
+class Alias:
+    """An mlx-lm flag that sets an mlx-spec one: `--draft-model PATH` is `--drafter draft=PATH`."""
+
+    flag: str
+    of: str
+    default: object  # the mlx-spec flag's default: while it holds it, that flag was not given
+    value: Callable[[object], object]
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _add_alias(p: argparse.ArgumentParser, flag: str, of: str, value: Callable[[object], object] = lambda v: v,
+               shown: str = "", **kwargs) -> None:
+    """`flag` as mlx-lm names it, for `of` (`shown`: how its value reads there)."""
+    p.add_argument(flag, dest=_dest(flag), default=None, help=f"mlx-lm's name for {of} {shown}".rstrip(), **kwargs)
+    aliases = p.get_default("aliases") or []
+    p.set_defaults(aliases=aliases + [Alias(flag, of, p.get_default(_dest(of)), value)])
+
+
+def _resolve_aliases(args: argparse.Namespace) -> None:
+    """Each mlx-lm flag given sets its mlx-spec flag, which must not say otherwise."""
+    for alias in getattr(args, "aliases", ()):
+        given = getattr(args, _dest(alias.flag))
+        if given is None:
+            continue
+        value, current = alias.value(given), getattr(args, _dest(alias.of))
+        if current != alias.default and current != value:
+            raise UserError(f"{alias.flag} {given} and {alias.of} {current}: the same setting twice; give one")
+        setattr(args, _dest(alias.of), value)
+
+
+def _add_draft_aliases(p: argparse.ArgumentParser, drafter: str, num_draft: bool = True) -> None:
+    _add_alias(p, "--draft-model", drafter, lambda path: f"draft={path}", "draft=PATH", metavar="PATH")
+    if num_draft:
+        _add_alias(p, "--num-draft-tokens", "--num-draft", type=int, metavar="N")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -55,6 +118,40 @@ def _add_think_args(p: argparse.ArgumentParser) -> None:
                        help="answer without reasoning (enable_thinking=False, where the chat template has it)")
 
 
+RENDERED_BY_MLX_SPEC = ("conversation", "messages", "add_generation_prompt", "tokenize", "continue_final_message")
+
+
+def _add_template_args(p: argparse.ArgumentParser) -> None:
+    _add_think_args(p)
+    p.add_argument("--chat-template-args", default=None, metavar="JSON",
+                   help="a JSON object of arguments for the chat template, e.g. '{\"enable_thinking\": false}'")
+
+
+def _template_args(args: argparse.Namespace) -> dict:
+    """`--chat-template-args` as a dict, checked; `--think/--no-think` must not contradict it."""
+    if args.chat_template_args is None:
+        return {}
+    try:
+        template_args = json.loads(args.chat_template_args)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--chat-template-args: invalid JSON ({e})") from None
+    if not isinstance(template_args, dict):
+        raise UserError("--chat-template-args: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+    for key in RENDERED_BY_MLX_SPEC:
+        if key in template_args:
+            raise UserError(f"--chat-template-args: '{key}' is mlx-spec's to set")
+    thinking = template_args.get("enable_thinking")
+    if args.think is not None and thinking is not None and thinking != args.think:
+        flag = "--think" if args.think else "--no-think"
+        raise UserError(f"{flag} and --chat-template-args {args.chat_template_args}: they disagree on enable_thinking")
+    return template_args
+
+
+def _add_system_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default="", metavar="TEXT", help="the system prompt: a system message before the user's")
+    _add_alias(p, "--system-prompt", "--system", metavar="TEXT")
+
+
 def _check_think(args: argparse.Namespace, tokenizer) -> None:
     from mlx_spec.tokenizer import has_thinking_switch
 
@@ -68,6 +165,7 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     from mlx_spec.drafters import usage
 
     p.add_argument("--drafter", default="none", help=usage())
+    _add_drafter_revision(p)
     p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
     p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
     p.add_argument("--ngram-max", type=int, default=4, help="lookup: longest n-gram to match")
@@ -125,7 +223,7 @@ def _drafter(args: argparse.Namespace, target):
         raise UserError("--tree and --tree-budget: give one of them")
     if args.depth < 1 or args.topk < 1:
         raise UserError(f"--depth and --topk must be >= 1, got {args.depth}, {args.topk}")
-    return api.drafter(args.drafter, target, revision=args.revision, ngram=(args.ngram_min, args.ngram_max),
+    return api.drafter(args.drafter, target, revision=args.drafter_revision, ngram=(args.ngram_min, args.ngram_max),
                        tree_paths=_tree_paths(args.tree), tree_budget=args.tree_budget, depth=args.depth,
                        topk=args.topk, block_size=args.block_size)
 
@@ -137,11 +235,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     if args.check and not params.greedy:
         raise UserError("--check compares with plain greedy decoding: use it with --temp 0")
-    target = api.load(args.model, args.revision)
+    if args.system and args.no_chat_template:
+        raise UserError("--system: a system prompt goes through the chat template; drop --no-chat-template")
+    template_args = _template_args(args)
+    target = _load(args)
     drafter = _drafter(args, target)
     _check_think(args, target.tokenizer)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    ids = api.prompt_ids(target, prompt, not args.no_chat_template, args.think)
+    ids = api.prompt_ids(target, prompt, not args.no_chat_template, args.think, system=args.system,
+                         template_args=template_args)
     if not ids:
         raise UserError("--prompt: the prompt is empty")
     result = Generation(prompt_tokens=ids)
@@ -189,7 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.plot is not None and not args.plot.endswith(".png"):
         raise UserError(f"--plot {args.plot}: the file must end in .png")
-    report = run_bench(args)
+    report = run_bench(args, _template_args(args))
     if args.plot is not None:
         from mlx_spec.bench import plot_report
 
@@ -212,20 +314,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise UserError("--max-tokens must be >= 1, --temp >= 0 and --top-p in (0, 1]")
     if args.load is not None and not Path(args.load).is_file():
         raise UserError(f"--load {args.load}: no such file")
+    loading = dict(template_args=_template_args(args), extra_eos=args.extra_eos_token, adapter_path=args.adapter_path,
+                   revision=args.revision, drafter_revision=args.drafter_revision)
     if not sys.stdin.isatty():
         from mlx_spec.tui.lines import run_lines
 
-        return run_lines(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens, args.think)
+        return run_lines(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens, args.think,
+                         **loading)
     from mlx_spec.tui.app import ChatApp
 
     app = ChatApp(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens,
-                  Path(args.load) if args.load else None, args.think)
+                  Path(args.load) if args.load else None, args.think, **loading)
     app.run()
     return app.return_code or 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_spec.serve import serve
+    from mlx_spec.tokenizer import thinking_args
 
     if args.max_batch < 1 or args.max_queue < 1 or args.max_tokens < 1 or args.timeout <= 0:
         raise UserError("--max-batch, --max-queue and --max-tokens must be >= 1, --timeout > 0")
@@ -233,7 +339,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     try:
         serve(args.model, args.drafter, args.host, args.port, args.revision, args.max_batch, args.max_queue,
-              args.max_tokens, args.timeout)
+              args.max_tokens, args.timeout, drafter_revision=args.drafter_revision, extra_eos=args.extra_eos_token,
+              adapter_path=args.adapter_path, system=args.system,
+              template_args=thinking_args(args.think, _template_args(args)))
     except KeyboardInterrupt:
         pass
     return 0
@@ -254,12 +362,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt (streamed)")
     _add_model_args(g)
-    g.add_argument("--prompt", required=True, help="the user's message ('-' reads stdin)")
+    _add_load_args(g)
+    g.add_argument("--prompt", "-p", required=True, help="the user's message ('-' reads stdin)")
     _add_sampling_args(g)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    _add_think_args(g)
+    _add_alias(g, "--ignore-chat-template", "--no-chat-template", action="store_const", const=True)
+    _add_system_args(g)
+    _add_template_args(g)
+    _add_alias(g, "--chat-template-config", "--chat-template-args", metavar="JSON")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_drafter_args(g)
+    _add_draft_aliases(g, "--drafter")
     g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
     g.set_defaults(func=cmd_generate)
 
@@ -277,7 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", "--runs", type=int, default=3, help="rounds over every prompt and method")
     b.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to measure")
     b.add_argument("--no-chat-template", action="store_true", help="feed the prompts as raw text")
+    _add_alias(b, "--ignore-chat-template", "--no-chat-template", action="store_const", const=True)
+    _add_template_args(b)
+    _add_load_args(b, eos=False)  # every method decodes --max-tokens tokens, past any EOS
     b.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round (default: adaptive)")
+    _add_draft_aliases(b, "--drafters")
+    _add_drafter_revision(b)
     b.add_argument("--tree-budget", type=int, default=None, help="tree drafters: a best-first tree of N nodes")
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
@@ -289,18 +407,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="chat in the terminal and watch the drafter at work")
     _add_model_args(c)
+    _add_load_args(c)
     c.add_argument("--drafter", default="none", help="as for generate (switch live with /drafter)")
-    c.add_argument("--system", default="", help="the system prompt")
+    _add_draft_aliases(c, "--drafter", num_draft=False)
+    _add_drafter_revision(c)
+    _add_system_args(c)
     c.add_argument("--temp", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--max-tokens", type=int, default=512, help="per answer")
+    c.add_argument("--max-tokens", "-m", type=int, default=512, help="per answer")
     c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
-    _add_think_args(c)
+    _add_template_args(c)
     c.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server with batched speculative decoding")
     _add_model_args(sv)
     sv.add_argument("--drafter", default="none", help="as for generate; each request gets its own session")
+    _add_draft_aliases(sv, "--drafter", num_draft=False)
+    _add_drafter_revision(sv)
+    _add_load_args(sv)
+    _add_system_args(sv)
+    _add_template_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     sv.add_argument("--port", type=int, default=8080)
     sv.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
@@ -321,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        _resolve_aliases(args)
         return func(args)
     except UserError as e:
         print(f"mlx-spec: error: {e}", file=sys.stderr)

@@ -6,12 +6,11 @@
     accept         <- one evaluation for the whole batch (chain/tree x greedy/sampled/typical)
     cut            <- each row's cache keeps exactly what it accepted
     commit         <- each drafter hears its rows' accepted tokens and features
-    events         <- one `StepEvent` per row
+    events         <- one `StepEvent` per row (log-probabilities for the rows that asked)
 
-`generate`, the chat and the benchmark run a batch of one (`speculative_steps`);
-the server the same rounds with more rows, joining and leaving between rounds.
-Exact: greedy output is plain greedy decoding's, token for token; sampled
-output is distributed as the target's (`sampling.accept`)."""
+`generate`, the chat and the benchmark run a batch of one (`speculative_steps`); the server
+the same rounds with more rows, joining and leaving between rounds. Exact: greedy output is
+plain greedy decoding's, token for token; sampled output is distributed as the target's."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from mlx_spec.attention import TreeMask
 from mlx_spec.cache import KVCache, cut_cache, keep_cache, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
+from mlx_spec.logprobs import gather, read
 from mlx_spec.metrics import StepEvent
 from mlx_spec.policy import Policy
 from mlx_spec.sampling import SamplingParams, accept
@@ -36,9 +36,9 @@ PREFILL_STEP = 512
 
 def prefill(model, tokens: Sequence[int], cache: list[KVCache], capture: tuple[int, ...] = (),
             consume: Callable[[int, tuple[mx.array, ...]], None] | None = None) -> None:
-    """Run `tokens` through the target to fill a one-row cache; no logits are evaluated.
-    With `capture`, `consume(end, hidden)` receives each chunk's hidden states
-    (`[1, chunk, H]` per index), `end` being where the chunk stops in `tokens`."""
+    """Run `tokens` through the target to fill a one-row cache; no logits are evaluated. With `capture`,
+    `consume(end, hidden)` receives each chunk's hidden states (`[1, chunk, H]` per index), `end` being
+    where the chunk stops in `tokens`."""
     ids = mx.array(tokens)
     for start in range(0, len(tokens), PREFILL_STEP):
         _, hidden = model(ids[None, start : start + PREFILL_STEP], cache, capture=capture)
@@ -58,13 +58,13 @@ class Row:
     drafter: Drafter | None
     slot: int = 0  # its row in the drafter
     produced: int = 0
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
 
 class Decoder:
-    """Continuous batching over one target: `add` a sequence (its prompt is read
-    alone, then it joins), `step` runs one round for every row and returns each
-    row's event; a row leaves once it has produced `max_tokens` (with
-    `keep_finished`, it stays, holding its cache for a next turn)."""
+    """Continuous batching over one target: `add` a sequence (its prompt is read alone, then it joins),
+    `step` runs one round for every row and returns each row's event; a row leaves once it has produced
+    `max_tokens` (with `keep_finished`, it stays, holding its cache for a next turn)."""
 
     def __init__(self, model, k_max: int = 8, num_draft: int | None = None, acceptance: str = "exact",
                  cache: list[KVCache] | None = None, keep_finished: bool = False):
@@ -82,9 +82,9 @@ class Decoder:
         return all(r.produced >= r.max_tokens for r in self.rows)
 
     def add(self, key, prompt: list[int], params: SamplingParams, max_tokens: int,
-            drafter: Drafter | None = None) -> None:
-        """A new row. With a kept cache, the first row keeps what the drafter's own state
-        still matches (a chat's earlier turns), and a drafter's one row is continued."""
+            drafter: Drafter | None = None, logprobs: int | None = None) -> None:
+        """A new row. With a kept cache, the first row keeps what the drafter's own state still matches (a chat's
+        earlier turns), and a drafter's one row is continued; with `logprobs`, its events carry log-probabilities."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if drafter is not None and drafter.one_row and self.rows:
@@ -118,7 +118,7 @@ class Decoder:
         self.held = False
         if drafter is not None:
             drafter.bind(self.cache)
-        self.rows.append(Row(key, context, params, max_tokens, drafter, slot))
+        self.rows.append(Row(key, context, params, max_tokens, drafter, slot, logprobs=logprobs))
 
     def remove(self, key) -> None:
         self._unqueue()
@@ -172,6 +172,7 @@ class Decoder:
         # The drafts computed while the verification was built: that building is the verification's.
         drafting = max(mid - tic - building, built - tic)
         draft_times = {key: (drafting / len(drafters), k) for key, k in steps.items()}
+        asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])  # computed with the verdicts
         verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
         for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
             if draft.parents is None:
@@ -182,11 +183,11 @@ class Decoder:
         events = {}
         for b, (r, draft, (path, token)) in enumerate(zip(rows, drafts, verdicts)):
             drafted = draft.tokens.tolist()
-            tokens = [drafted[i] for i in path] + [token]
-            self._commit(b, r, tokens, hidden, capture, mx.array([0] + [i + 1 for i in path]))
+            tokens, at = [drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]
+            self._commit(b, r, tokens, hidden, capture, mx.array(at))
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
             events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted,
-                                      draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth)
+                                      draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth, read(asked, b, at, tokens))
         end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
         self.policy.record([r.key for r in rows], [e.depth for e in events.values()], [e.accepted for e in events.values()],
                            inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic,
@@ -195,10 +196,9 @@ class Decoder:
         return events
 
     def _inputs(self, drafts: list[Draft], starts: list[int]):
-        """Tokens `[B, S]` of one verification (each row's pending token and draft,
-        padded), with positions `[B, S]` and a mask `[B, 1, S, L + S]` where a row
-        drafted a tree (each row sees its own cache and its draft's ancestry);
-        chains need neither (the cache's own mask and per-row offsets)."""
+        """Tokens `[B, S]` of one verification (each row's pending token and draft, padded), with
+        positions `[B, S]` and a mask `[B, 1, S, L + S]` where a row drafted a tree (each row sees its
+        own cache and its draft's ancestry); chains need neither (the cache's own mask and per-row offsets)."""
         S = 1 + max(len(d) for d in drafts)
         tokens = mx.concatenate([mx.concatenate([mx.array(r.context[-1:], dtype=mx.int32), d.tokens,
                                                  mx.zeros((S - 1 - len(d),), dtype=mx.int32)])[None]
@@ -226,7 +226,7 @@ class Decoder:
         tic = time.perf_counter()
         capture = self._capture()
         queued = self.queued is not None
-        y, hidden = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
+        y, hidden, asked = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
         mx.async_eval(y)
         self.queued = None
         # Queued only where the next round is plain too: one that drafts would wait for it, then drop it.
@@ -239,7 +239,7 @@ class Decoder:
         events = {}
         for b, (r, token) in enumerate(zip(self.rows, tokens)):
             self._commit(b, r, [token], hidden, capture)
-            events[r.key] = StepEvent([token], [False], verify_time=toc - tic)
+            events[r.key] = StepEvent([token], [False], verify_time=toc - tic, logprobs=read(asked, b, [0], [token]))
         drafters = {id(r.drafter): (0.0, 0) for r in self.rows if r.drafter is not None}
         # Reading a token waits for what is queued after it: timed right only where both or neither are.
         if drafters and queued == (self.queued is not None):
@@ -249,11 +249,12 @@ class Decoder:
         self._finish()
         return events
 
-    def _plain_forward(self, tokens: mx.array, capture: tuple[int, ...]) -> tuple[mx.array, tuple[mx.array, ...]]:
-        """The next token of every row `[B]` after `tokens` `[B, 1]`, and the hidden
-        states `capture` names there (lazy)."""
+    def _plain_forward(self, tokens: mx.array, capture: tuple[int, ...]) -> tuple[mx.array, tuple, dict]:
+        """The next token of every row `[B]` after `tokens` `[B, 1]`, the hidden
+        states `capture` names there and what the rows asking for log-probabilities get (lazy)."""
         logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
-        return draw_rows(logits[:, -1], [r.params for r in self.rows])[0], hidden
+        y = draw_rows(logits[:, -1], [r.params for r in self.rows])[0]
+        return y, hidden, gather(self.rows, lambda b: logits[b])
 
     @staticmethod
     def _commit(b: int, r: Row, tokens: list[int], hidden: tuple, capture: tuple, at=slice(None)) -> None:
@@ -282,11 +283,10 @@ class Decoder:
 def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
                       drafter: Drafter | None = None, num_draft: int | None = None, k_max: int = 8,
                       cache: list[KVCache] | None = None, acceptance: str = "exact") -> Iterator[StepEvent]:
-    """One sequence: the batch of one, an event per round. `num_draft` fixes K
-    (a tree's depth); otherwise K adapts (`policy.Policy`). A `cache` given may
-    already hold the prompt's first tokens (an earlier chat turn): as much is
-    kept as the drafter's own state still matches. `acceptance="typical"` is
-    Medusa's lossy rule for trees at temperature > 0."""
+    """One sequence: the batch of one, an event per round. `num_draft` fixes K (a tree's depth);
+    otherwise K adapts (`policy.Policy`). A `cache` given may already hold the prompt's first tokens
+    (an earlier chat turn): as much is kept as the drafter's own state still matches.
+    `acceptance="typical"` is Medusa's lossy rule for trees at temperature > 0."""
     decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True)
     decoder.add(0, list(prompt), params, max_tokens, drafter)
     while not decoder.done:

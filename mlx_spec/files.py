@@ -30,6 +30,17 @@ SIDE_FILES = (
 )
 
 
+def data_dir() -> Path:
+    """mlx-spec's own folder: saved conversations, drafters converted on first use
+    (`$MLX_SPEC_HOME` when set)."""
+    home = os.environ.get("MLX_SPEC_HOME")
+    if home:
+        return Path(home)
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("mlx-spec"))
+
+
 def side_files(directory: Path) -> list[Path]:
     return sorted({f for pattern in SIDE_FILES for f in directory.glob(pattern) if f.is_file()})
 

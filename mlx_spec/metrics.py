@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's log-probability under the target, and the most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, log-probability), most likely first
+
+
+@dataclass
 class StepEvent:
     tokens: list[int]  # committed this step, in order
     from_draft: list[bool]  # which of `tokens` came from the draft
@@ -13,6 +22,7 @@ class StepEvent:
     draft_time: float = 0.0  # seconds
     verify_time: float = 0.0
     tree_depth: int | None = None  # for a tree draft: its depth
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a row that asked for them
 
     @property
     def depth(self) -> int:

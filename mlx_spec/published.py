@@ -42,11 +42,15 @@ DRAFTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "lmsys/vicuna-13b-v1.3": ("yuhuili/EAGLE3-Vicuna1.3-13B",),
         "meta-llama/Llama-3.1-8B-Instruct": (
             "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+            "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
             "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
         ),
         "meta-llama/Llama-3.3-70B-Instruct": ("yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",),
         "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": ("yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B",),
+        "Qwen/Qwen3-1.7B": ("AngelSlim/Qwen3-1.7B_eagle3",),
+        "Qwen/Qwen3-4B": ("AngelSlim/Qwen3-4B_eagle3",),
         "Qwen/Qwen3-8B": ("AngelSlim/Qwen3-8B_eagle3", "Tengyunw/qwen3_8b_eagle3", "Zjcxy-SmartAI/Eagle3-Qwen3-8B-zh"),
+        "Qwen/Qwen3-14B": ("AngelSlim/Qwen3-14B_eagle3",),
         "Qwen/Qwen3-32B": ("AngelSlim/Qwen3-32B_eagle3",),
         "openai/gpt-oss-120b": ("lmsys/EAGLE3-gpt-oss-120b-bf16", "nvidia/gpt-oss-120b-Eagle3"),
     },
@@ -68,11 +72,18 @@ DRAFTERS: dict[str, dict[str, tuple[str, ...]]] = {
         "lmsys/vicuna-7b-v1.3": ("FasterDecoding/medusa-vicuna-7b-v1.3",),
         "lmsys/vicuna-13b-v1.3": ("FasterDecoding/medusa-vicuna-13b-v1.3",),
         "lmsys/vicuna-33b-v1.3": ("FasterDecoding/medusa-vicuna-33b-v1.3",),
+        # Medusa-2: a fine-tuned model holding its own heads, so the target is the repo itself
+        **{repo: (repo,) for repo in ("FasterDecoding/medusa-1.0-vicuna-7b-v1.5", "FasterDecoding/medusa-1.0-vicuna-13b-v1.5",
+                                      "FasterDecoding/medusa-1.0-vicuna-33b-v1.3", "FasterDecoding/medusa-1.0-zephyr-7b-beta")},
     },
 }
 
-# Suffixes that mirrors and conversions add to a model's name (mlx-community's "-4bit", ...).
-_SUFFIX = re.compile(r"-(mlx|\d+bits?|bf16|fp16|fp8|float16|bfloat16|mxfp4|nvfp4|dwq|awq|gptq|int4|int8)$")
+# Drafters trained on answers given without thinking (their model cards say so): with a template that
+# thinks by default, their acceptance is higher under --no-think.
+NON_THINKING = frozenset({"z-lab/Qwen3-4B-DFlash-b16", "z-lab/Qwen3-8B-DFlash-b16"})
+
+# Suffixes that mirrors and conversions add to a model's name (mlx-community's "-4bit", "-4bit-DWQ-053125", ...).
+_SUFFIX = re.compile(r"-(mlx|\d+bits?|bf16|fp16|fp8|float16|bfloat16|mxfp4|nvfp4|dwq|awq|gptq|int4|int8|q\d|\d{6})$")
 
 
 def model_key(repo: str) -> str:
@@ -95,9 +106,13 @@ def _target_name(target: str | Mapping) -> str:
         config, where = target, "target config"
     section = config.get("mlx_spec")
     name = (section.get("source") if isinstance(section, Mapping) else None) or config.get("_name_or_path")
-    if not isinstance(name, str) or not name:
+    if isinstance(name, str) and name:
+        return name
+    if isinstance(target, Mapping):
         raise UserError(f"{where}: cannot tell which model it is (no 'mlx_spec.source' or '_name_or_path')")
-    return name
+    # A Hub snapshot (models--OWNER--NAME/snapshots/COMMIT) says its repo; any other folder, its name.
+    snapshot = next((p.name for p in path.resolve().parents if p.name.startswith("models--")), None)
+    return snapshot.removeprefix("models--").replace("--", "/") if snapshot else path.resolve().name
 
 
 def is_demo(target: str | Mapping) -> bool:
@@ -108,6 +123,11 @@ def is_demo(target: str | Mapping) -> bool:
         return False
 
 
+def _holds_medusa_heads(target: str) -> bool:
+    path = Path(hub.expand(target)).expanduser()
+    return path.is_dir() and (path / "config.json").exists() and "medusa_num_heads" in read_json(path / "config.json")
+
+
 def find_drafter(kind: str, target: str | Mapping) -> str:
     """The published `kind` drafter for `target` (a repo id, a model directory or a config)."""
     name = _target_name(target)
@@ -116,8 +136,12 @@ def find_drafter(kind: str, target: str | Mapping) -> str:
         return str(demo.path(demo.DRAFTERS[kind]))
     if kind not in DRAFTERS:
         raise UserError(f"drafter kind '{kind}' is unknown (known: {', '.join(sorted(DRAFTERS))})")
-    for known, repos in DRAFTERS[kind].items():
-        if model_key(known) == key:
-            return repos[0]
+    if kind == "medusa" and isinstance(target, str) and _holds_medusa_heads(target):
+        return hub.expand(target)  # a Medusa-2 model: its own heads
+    # The model itself, else the base it was fine-tuned from ("qwen3-4b-instruct-2507" is Qwen3-4B's):
+    # the longest known name it starts with. The drafter's loader checks that it fits.
+    bases = [known for known in DRAFTERS[kind] if key == model_key(known) or key.startswith(model_key(known) + "-")]
+    if bases:
+        return DRAFTERS[kind][max(bases, key=lambda known: len(model_key(known)))][0]
     known_names = ", ".join(known.split("/")[-1] for known in DRAFTERS[kind])
     raise UserError(f"{name}: no published {kind} drafter is known for it (known targets: {known_names})")

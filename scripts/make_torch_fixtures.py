@@ -32,6 +32,18 @@ tests/fixtures/torch/
               embed_tokens, the full vocabulary (no draft_vocab_size, d2t or t2d),
               architectures LlamaForCausalLMEagle3, eagle_config's aux layer ids, and a
               wrong head_dim (32; q_proj says 16), as some published configs have
+  eagle3-angelslim/  as AngelSlim's Qwen3 EAGLE-3 drafters (Qwen3-4B_eagle3): SpecForge's
+              layout over a draft vocabulary (d2t, t2d), architectures LlamaForCausalLMEagle3,
+              and a config head_dim of hidden / heads (16) where q_proj's heads are 32 wide
+              (Qwen3-4B's says 80 where the tensors say 128); for checkpoints["qwen3"]
+  eagle1-llama3/  EAGLE-1 as yuhuili publishes LLaMA3.1-Instruct-8B's: fp16 pytorch_model.bin,
+              embed_tokens included, "bias": false (no fc.bias), rope_theta 500000, grouped
+              KV heads; for checkpoints["llama"]
+  medusa2/    a Medusa-2 model as FasterDecoding's medusa-1.0-* repos hold it: a whole
+              fine-tuned Llama (the target) whose pytorch_model-0000i-of-00002.bin shards
+              and index also hold 3 heads as medusa_head.{k}.0.linear.* and
+              medusa_head.{k}.1.weight; config.json a Llama config with medusa_num_heads
+              and medusa_num_layers; the tokenizer beside it
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from mlx_spec.testing import make_config, random_weights
+from mlx_spec.testing import make_config, make_tokenizer, random_weights
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "torch"
 
@@ -202,7 +214,7 @@ def eagle1(arch: str, fc_bias: bool, qkv_bias: bool, kv_heads: int, seed: int) -
     return sd
 
 
-def eagle3(seed: int, draft_vocab: int, embedding: torch.Tensor | None) -> OrderedDict:
+def eagle3(seed: int, draft_vocab: int, embedding: torch.Tensor | None, head_dim: int = 16) -> OrderedDict:
     """An EAGLE-3 state dict (`cnets.Model` / SpecForge's LlamaForCausalLMEagle3); with a
     reduced vocabulary, d2t/t2d map the `draft_vocab` ids (sorted) of 384."""
     draw = Draw(seed)
@@ -212,7 +224,7 @@ def eagle3(seed: int, draft_vocab: int, embedding: torch.Tensor | None) -> Order
     sd["fc.weight"] = draw.linear(64, 3 * 64)
     sd["midlayer.hidden_norm.weight"] = draw.norm(64)
     sd["midlayer.input_layernorm.weight"] = draw.norm(64)
-    sd.update(eagle_layer(draw, "midlayer.", 64, 4, 2, 16, 96, 128, qkv_bias=False))
+    sd.update(eagle_layer(draw, "midlayer.", 64, 4, 2, head_dim, 96, 128, qkv_bias=False))
     sd["norm.weight"] = draw.norm(64)
     sd["lm_head.weight"] = draw.linear(draft_vocab, 64)
     if draft_vocab < 384:
@@ -268,10 +280,36 @@ def write_eagle_fixtures(dirs: dict[str, Path]) -> None:
     ))
 
 
+def write_published_variants(dirs: dict[str, Path]) -> None:
+    sd = eagle3(seed=15, draft_vocab=32, embedding=None, head_dim=32)
+    save_contiguous(as_dtype(sd, torch.bfloat16), dirs["eagle3-angelslim"] / "model.safetensors")
+    (dirs["eagle3-angelslim"] / "config.json").write_text(eagle_config(
+        architectures=["LlamaForCausalLMEagle3"], intermediate_size=96, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, draft_vocab_size=32, torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    ))
+
+    sd = eagle1("llama", fc_bias=False, qkv_bias=False, kv_heads=2, seed=14)
+    torch.save(as_dtype(sd, torch.float16), dirs["eagle1-llama3"] / "pytorch_model.bin")
+    (dirs["eagle1-llama3"] / "config.json").write_text(eagle_config(
+        intermediate_size=64, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="float16",
+        tie_word_embeddings=False, bias=False,
+    ))
+
+    config = {**make_config("llama", **TINY), "architectures": ["MedusaModelLlama"], "medusa_num_heads": 3,
+              "medusa_num_layers": 1}
+    weights = state_dict(config, seed=0)
+    heads = medusa_heads(config, num_heads=3, seed=4)  # from this model's own LM head (seed 0)
+    weights.update((f"medusa_head.{name}", w) for name, w in heads.items())
+    write_sharded(dirs["medusa2"], weights, "bin")
+    (dirs["medusa2"] / "config.json").write_text(json.dumps(config, indent=2))
+    make_tokenizer(dirs["medusa2"])
+
+
 def main() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
     names = ("tensors", "sharded", "llama", "llama-safetensors", "llama-sharded", "qwen3-tied", "medusa",
-             "eagle1", "eagle1-nobias", "eagle3", "eagle3-specforge")
+             "eagle1", "eagle1-nobias", "eagle3", "eagle3-specforge", "eagle3-angelslim", "eagle1-llama3", "medusa2")
     dirs = {name: OUT / name for name in names}
     for d in dirs.values():
         d.mkdir(parents=True)
@@ -306,6 +344,7 @@ def main() -> None:
     (dirs["medusa"] / "config.json").write_text(json.dumps(medusa_config, indent=2) + "\n")
 
     write_eagle_fixtures(dirs)
+    write_published_variants(dirs)
 
     versions = {"torch": torch.__version__, "safetensors": safetensors.__version__}
     (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")

@@ -1,8 +1,10 @@
 """Running the command line from tests."""
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
@@ -14,6 +16,33 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
         env={**os.environ, **(env or {})},
         timeout=300,
     )
+
+
+def rendered_prompt(monkeypatch, *args) -> list[int]:
+    """The prompt ids `mlx-spec generate ARGS` decodes from (run in this process, output aside)."""
+    from mlx_spec import api
+    from mlx_spec.cli import main
+
+    seen = []
+    prompt_ids = api.prompt_ids
+
+    def spy(*a, **kw):
+        seen.append(prompt_ids(*a, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(api, "prompt_ids", spy)
+    assert main(["generate", "--max-tokens", "1", *map(str, args)]) == 0
+    return seen[0]
+
+
+def fake_hub_cache(root: Path, repo: str, src: Path, revisions=("main",)) -> None:
+    """A Hugging Face cache (HF_HUB_CACHE) holding `src` as `repo`, laid out as snapshot_download leaves it."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    storage = root / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(src, storage / "snapshots" / commit)
+    (storage / "refs").mkdir()
+    for revision in revisions:
+        (storage / "refs" / revision).write_text(commit)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles) -> None:

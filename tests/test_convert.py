@@ -28,7 +28,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.testing import make_checkpoint, make_tokenizer
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, fake_hub_cache
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch"
 TENSORS = FIXTURES / "tensors"
@@ -443,16 +443,6 @@ def test_interrupted_between_renames_puts_the_old_out_back(tmp_path, monkeypatch
 # ---------------------------------------------------------------- the Hub
 
 
-def fake_hub_cache(root: Path, repo: str, src: Path, revisions=("main",)) -> None:
-    """A Hugging Face cache holding `src` as `repo`, as snapshot_download leaves it."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    storage = root / f"models--{repo.replace('/', '--')}"
-    shutil.copytree(src, storage / "snapshots" / commit)
-    (storage / "refs").mkdir()
-    for rev in revisions:
-        (storage / "refs" / rev).write_text(commit)
-
-
 def test_hub_repo_from_the_cache_offline(tmp_path, llama_src, reference_logits):
     cache = tmp_path / "hub"
     fake_hub_cache(cache, "tiny/llama", llama_src, revisions=("main", "v1"))
@@ -547,5 +537,7 @@ def test_find_drafter_errors(tmp_path):
     raises_one_line(lambda: find_drafter("dflash", "Qwen/Qwen3-0.6B"), "Qwen/Qwen3-0.6B", "no published dflash drafter")
     raises_one_line(lambda: find_drafter("lookahead", "Qwen/Qwen3-8B"), "lookahead", "dflash")
     raises_one_line(lambda: find_drafter("dflash", {"model_type": "qwen3"}), "cannot tell which model")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    raises_one_line(lambda: find_drafter("dflash", str(tmp_path)), "config.json", "cannot tell")
+    folder = tmp_path / "my-model"  # a folder whose config does not say what it is: known by its name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    raises_one_line(lambda: find_drafter("dflash", str(folder)), "my-model", "no published dflash drafter")

@@ -110,7 +110,7 @@ def test_registry_names_the_published_drafter(target, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="z-lab/Qwen3-8B-DFlash-b16"):
         make_drafter("dflash", target, target_source="Qwen/Qwen3-8B")
-    with pytest.raises(UserError, match="mlx-spec convert AngelSlim/Qwen3-8B_eagle3"):
+    with pytest.raises(UserError, match="AngelSlim/Qwen3-8B_eagle3: not in the Hugging Face cache"):
         make_drafter("eagle3", target, target_source="Qwen/Qwen3-8B")
     with pytest.raises(UserError, match="no published dflash drafter"):
         make_drafter("dflash", target, target_source="someone/unknown-model")

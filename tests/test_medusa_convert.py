@@ -155,9 +155,9 @@ def test_quantize_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_heads_inside_a_full_model_are_not_converted(tmp_path):
-    """Medusa-2 repos (config with medusa_num_heads, heads inside the model's
-    own shards) have no medusa_lm_head file."""
+def test_a_medusa_config_with_no_heads_anywhere(tmp_path):
+    """Neither a medusa_lm_head file nor a Medusa-2 model's heads inside its shards
+    (tests/test_published_folders.py converts those)."""
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(FIXTURE / "config.json", src)

@@ -3,6 +3,7 @@
 import functools
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -122,6 +123,17 @@ def post(url: str, body: bytes, path: str = "/v1/chat/completions"):
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}).encode(), "'temperature'"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(), "'max_tokens'"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}).encode(), "'stop'"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}).encode(), "'min_p'"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode(), "'top_logprobs'"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "enable_thinking": "no"}).encode(),
+     "'enable_thinking'"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": []}).encode(),
+     "'chat_template_kwargs'"),
+    (json.dumps({"messages": [{"role": "user", "content": None}]}).encode(), "'messages[0].content'"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text"}]}]}).encode(),
+     "'messages[0].content[0].text'"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}]}).encode(), "no tools"),
 ])
 def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, body, needle):
     url, _ = server
@@ -131,6 +143,30 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, body, needl
     assert status == 200 and payload["choices"][0]["message"]["role"] == "assistant"
     with urllib.request.urlopen(url + "/health") as r:
         assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_bad_completion_fields_get_a_4xx(server):
+    url, _ = server
+    for body, needle in [({"prompt": "abc", "logprobs": 21}, "'logprobs'"), ({"prompt": "abc", "top_k": 1.5}, "'top_k'"),
+                         ({"prompt": "abc", "seed": 2**64}, "'seed'")]:
+        status, payload = post(url, json.dumps(body).encode(), "/v1/completions")
+        assert status == 400 and needle in payload["error"]["message"], body
+
+
+def test_a_request_whose_client_went_away_ends(checkpoints):
+    """A streaming client that disconnects marks its request cancelled: the engine ends it
+    at its next round rather than decoding to `max_tokens`."""
+    from mlx_spec.serve import Engine, Request, messages_of
+
+    model, tokenizer = loaded(str(checkpoints["qwen3"]))
+    engine = Engine(model, tokenizer, None, max_batch=2, max_queue=2)
+    request = Request(False, encode_prompt(tokenizer, "hello", chat_template=False), SamplingParams(), 3000, [],
+                      True, None, time.monotonic() + 600)
+    engine.submit(request)
+    for message in messages_of(request):
+        request.cancelled = True  # from its first piece on
+    assert message[1]["finish_reason"] == "cancelled" and message[1]["usage"]["completion_tokens"] < 3000
+    assert not engine.live
 
 
 def test_self_speculation_is_refused_at_start(checkpoints):

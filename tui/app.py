@@ -105,9 +105,12 @@ class ChatApp(App):
 
     def __init__(self, model: str, drafter: str = "none", system: str = "", temp: float = 0.0,
                  top_p: float = 1.0, max_tokens: int = 512, conversation: Path | None = None,
-                 think: bool | None = None):
+                 think: bool | None = None, template_args: dict | None = None, **loading):
+        """`loading`: `engine.Load`'s options (revisions, extra EOS tokens, adapters)."""
         super().__init__()
         self.temp, self.top_p, self.max_tokens, self.think = temp, top_p, max_tokens, think
+        self.template_args = template_args
+        self.loading_options = loading
         self.conversation = store.Conversation(model, drafter, system)
         self.path = self.conversation.default_path()
         self.load_from = conversation
@@ -138,7 +141,7 @@ class ChatApp(App):
     def on_mount(self) -> None:
         c = self.conversation
         self.loading(f"loading {c.model}…")
-        self.engine.submit(engine.Load(c.model, c.drafter))
+        self.engine.submit(engine.Load(c.model, c.drafter, **self.loading_options))
         if self.load_from is not None:
             self.load_conversation(self.load_from)
         self.show_stats()
@@ -200,7 +203,7 @@ class ChatApp(App):
         pane.scroll_end(animate=False)
         self.busy = True
         self.engine.submit(engine.Generate(self.conversation.chat(), self.temp, self.top_p, self.max_tokens,
-                                           self.think))
+                                           self.think, self.template_args))
 
     def on_engine(self, event) -> None:
         """An event from the engine thread, on the UI's."""

@@ -17,7 +17,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 from mlx_spec.errors import UserError
 from mlx_spec.hub import Download, reporting
@@ -33,6 +33,9 @@ class Load:
     model: str
     drafter: str = "none"
     revision: str | None = None
+    drafter_revision: str | None = None
+    extra_eos: Sequence[str] = ()  # more tokens to stop at (`--extra-eos-token`)
+    adapter_path: str | None = None  # mlx-lm LoRA adapters for the target (`--adapter-path`)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Generate:
     top_p: float = 1.0
     max_tokens: int = 512
     think: bool | None = None  # the chat template's `enable_thinking` (None: its default)
+    template_args: dict | None = None  # more arguments for the chat template (`--chat-template-args`)
 
 
 @dataclass
@@ -106,7 +110,7 @@ class State:
     model: object = None
     tokenizer: object = None
     model_name: str = ""
-    revision: str | None = None
+    drafter_revision: str | None = None
     drafter: object = None
     drafter_spec: str = "none"
     cache: list | None = None
@@ -160,11 +164,13 @@ class Engine:
         from mlx_spec import api
 
         self.emit(Status(f"loading {job.model}…"))
+        api.check_published(job.drafter, job.model)
         with reporting(self.emit):  # a Hub download shows its progress
-            target = api.load(job.model, job.revision)
+            target = api.load(job.model, job.revision, extra_eos=job.extra_eos, adapter_path=job.adapter_path,
+                              report=self._say)
         s = self.state
         s.target, s.model, s.tokenizer = target, target.model, target.tokenizer
-        s.model_name, s.revision = job.model, job.revision
+        s.model_name, s.drafter_revision = job.model, job.drafter_revision
         s.cache, s.context = None, []
         s.drafter, s.drafter_spec = None, "none"
         if job.drafter != "none":
@@ -172,6 +178,10 @@ class Engine:
             with reporting(self.emit):
                 self._set_drafter(job.drafter)
         self._loaded()
+
+    def _say(self, message: str) -> None:
+        """A line for the user while loading (a conversion on first use, say)."""
+        self.emit(Status(message))
 
     def _loaded(self) -> None:
         from mlx_spec.tokenizer import has_thinking_switch
@@ -185,7 +195,7 @@ class Engine:
         s = self.state
         if s.model is None:
             raise UserError("no model is loaded")
-        drafter = api.drafter(spec, s.target, revision=s.revision)
+        drafter = api.drafter(spec, s.target, report=self._say, revision=s.drafter_revision)
         s.drafter, s.drafter_spec = drafter, spec if drafter is not None else "none"
 
     def _generate(self, job: Generate) -> None:
@@ -200,7 +210,7 @@ class Engine:
         if s.model is None:
             raise UserError("no model is loaded")
         self.stopping.clear()
-        prompt = render_chat(s.tokenizer, job.messages, thinking_args(job.think))
+        prompt = render_chat(s.tokenizer, job.messages, thinking_args(job.think, job.template_args))
         if s.cache is None:
             s.cache, s.context = s.model.make_cache(), []
         # Keep what this prompt shares with the tokens the cache was built from.

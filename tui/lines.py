@@ -12,7 +12,8 @@ from mlx_spec.tui.answer import reasoning_and_content
 
 
 def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, max_tokens: int,
-              think: bool | None = None) -> int:
+              think: bool | None = None, template_args: dict | None = None, **loading) -> int:
+    """The chat over piped lines; `loading`: `engine.Load`'s options."""
     finished = threading.Event()
     failure: list[str] = []
     answer: list[str] = []  # the pieces of the answer being written
@@ -39,7 +40,7 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
 
     conversation = store.Conversation(model, drafter, system)
     eng = engine.Engine(emit)
-    eng.submit(engine.Load(model, drafter))
+    eng.submit(engine.Load(model, drafter, **loading))
     wait()
     for line in sys.stdin:
         text = line.strip()
@@ -47,7 +48,7 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
             continue
         conversation.messages.append(store.message("user", text))
         answer.clear()
-        eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens, think))
+        eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens, think, template_args))
         wait()
         reasoning, content = reasoning_and_content("".join(answer), opened[0])
         conversation.messages.append(store.message("assistant", content, reasoning))

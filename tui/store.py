@@ -11,22 +11,12 @@ writes Markdown (`.md`) or the same JSON (`.json`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlx_spec.errors import UserError
-from mlx_spec.files import write_text_atomic
-
-
-def data_dir() -> Path:
-    home = os.environ.get("MLX_SPEC_HOME")
-    if home:
-        return Path(home)
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("mlx-spec"))
+from mlx_spec.files import data_dir, write_text_atomic
 
 
 def message(role: str, content: str, reasoning: str = "") -> dict:

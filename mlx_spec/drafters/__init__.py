@@ -8,6 +8,8 @@ chat's `/drafter` read `REGISTRY`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from mlx_spec.drafters import dflash, draft_model, eagle, layerskip, lookup, medusa, mtp, mtp_heads, skip, suffix
 from mlx_spec.drafters.base import SHAPING, Draft, Drafter, Kind, Options
 from mlx_spec.errors import UserError
@@ -24,12 +26,15 @@ def usage() -> str:
     return "none (plain decoding, the default) | " + " | ".join(parts)
 
 
-def make_drafter(spec: str, target, *, target_source: str | None = None, **flags) -> Drafter | None:
+def make_drafter(spec: str, target, *, target_source: str | None = None,
+                 prepare: Callable[[str, str, str | None], str] | None = None, **flags) -> Drafter | None:
     """The drafter SPEC names for `target`; None for plain decoding. `flags` are
     `Options` fields (tokenizer, revision, ngram, tree_paths, tree_budget, depth,
     topk, block_size). Without a SOURCE, a kind that needs one is the drafter of
     that kind published for `target_source` (the `--model` given); for the demo
-    target every kind it ships is its own."""
+    target every kind it ships is its own. `prepare(kind, source, revision)`
+    returns the folder the kind's loader reads for a source as published (the
+    layer above converts it there on first use)."""
     name, _, source = spec.partition("=")
     if name not in KINDS:
         raise UserError(f"--drafter: unknown kind '{name}' (known: {', '.join(KINDS)})")
@@ -51,27 +56,21 @@ def make_drafter(spec: str, target, *, target_source: str | None = None, **flags
         options.source = published_source(name, target_source)
     if not options.source and kind.source == "required":
         raise UserError(f"--drafter {name}: give the model as {name}=PATH_OR_REPO")
+    if options.source and prepare is not None:
+        options.source = prepare(name, options.source, options.revision)
     return kind.build(target, options)
 
 
 def published_source(kind: str, target_source: str) -> str | None:
-    """The demo's own drafter of this kind, or the one published for the target
-    (None where the kind alone means something else: the target's own MTP modules,
-    LayerSkip's exit, Draft & Verify's search)."""
+    """The demo's own drafter of this kind, or the one published for the target,
+    as published (None where the kind alone means something else: the target's
+    own MTP modules, LayerSkip's exit, Draft & Verify's search)."""
     from mlx_spec import demo
     from mlx_spec.published import DRAFTERS, find_drafter, is_demo
 
-    if kind in demo.DRAFTERS and is_demo(target_source):
+    if kind in DRAFTERS or (kind in demo.DRAFTERS and is_demo(target_source)):
         return find_drafter(kind, target_source)
-    if kind not in DRAFTERS:
-        return None
-    source = find_drafter(kind, target_source)
-    if kind != "dflash":  # z-lab's DFlash folders load as published; the others are converted first
-        raise UserError(
-            f"--drafter {kind}: the published drafter for {target_source} is {source}; convert it with "
-            f"`mlx-spec convert {source} -o DIR --target {target_source}`, then use --drafter {kind}=DIR"
-        )
-    return source
+    return None
 
 
 __all__ = ["Draft", "Drafter", "Kind", "KINDS", "REGISTRY", "make_drafter", "usage"]

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_spec.cache import cut_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows
 from mlx_spec.models.llama import Model
-from mlx_spec.sampling import SamplingParams, draw
+from mlx_spec.sampling import SamplingParams
 
 
 class DraftModel(RowStates):

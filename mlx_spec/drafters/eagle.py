@@ -35,7 +35,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_spec import tree
-from mlx_spec.cache import KVCache, trim_cache
+from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files

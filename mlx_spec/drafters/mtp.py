@@ -43,7 +43,7 @@ from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, draw_
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
-from mlx_spec.models.load import load_folder, read_json
+from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams
 

@@ -60,11 +60,12 @@ def _add_lora(model: Model, lora: dict, source: Path) -> None:
     linear_to_lora_layers(model, len(model.layers), config)
 
 
-def _is_mtp(name: str, args) -> bool:
-    """A multi-token-prediction tensor that ships inside the checkpoint (DeepSeek's
-    extra layers, MiMo's `mtp_layers`, Qwen3-Next's `mtp.*`): not the model's own,
-    read by `--drafter mtp` instead."""
-    if name.startswith(("mtp.", "model.mtp_layers.")):
+def _drafters(name: str, args) -> bool:
+    """A drafter's tensor that ships inside the checkpoint, not the model's own:
+    multi-token-prediction modules (DeepSeek's extra layers, MiMo's `mtp_layers`,
+    Qwen3-Next's `mtp.*`), read by `--drafter mtp`, and a Medusa-2 model's heads,
+    read by `--drafter medusa`."""
+    if name.startswith(("mtp.", "model.mtp_layers.", "medusa_head.")):
         return True
     parts = name.split(".")
     return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= args.num_hidden_layers
@@ -81,7 +82,7 @@ def checked_weights(
         raise UserError(f"{config_path}: quantization_config '{method}' is not supported; use an MLX-quantized checkpoint")
     args = parse_config(config, str(config_path))
     model = Model(args)
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq") and not _is_mtp(k, args)}
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq") and not _drafters(k, args)}
     if args.tie_word_embeddings:
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     if args.quantization:
