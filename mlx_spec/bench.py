@@ -268,8 +268,12 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     from mlx_spec.drafters import TREE_KINDS
     from mlx_spec.drafters.draft_model import DraftModel
 
+    from mlx_spec.models.mlxlm import Model as MLXLMTarget
+
     model = target.model
-    ref_model, _ = mlx_lm_load(str(target.path), adapter_path=args.adapter_path)
+    # A target run through mlx-lm's code is its model already (the same weights, read right, in the same dtype)
+    ref_model = model.inner if isinstance(model, MLXLMTarget) else \
+        mlx_lm_load(str(target.path), adapter_path=args.adapter_path)[0]
     runners: dict[str, Runner] = {
         PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n),
         "mlx-lm": lambda prompt, p, n: _mlx_lm_events(

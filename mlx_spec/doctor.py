@@ -57,6 +57,18 @@ def report() -> str:
         f"blas      {_blas.describe()}",
         f"tree attn {tree_attention_path()}",
     ]
+    lines += architectures()
     tips = advice(name)
     lines += [f"tip       {t}" for t in tips] or ["tip       nothing to do: this is as fast as MLX gets here"]
     return "\n".join(lines)
+
+
+def architectures() -> list[str]:
+    """The targets mlx-spec runs, by model_type, and the drafts they verify."""
+    from mlx_spec.models.config import ARCHITECTURES
+    from mlx_spec.models.mlxlm import FAMILIES
+
+    own = ", ".join(ARCHITECTURES)
+    through = ", ".join(FAMILIES)
+    return [f"targets   {own}: every drafter, chains and trees (mlx-spec's own model code)",
+            f"targets   {through}: chain drafters (mlx-lm's model code)"]

@@ -29,6 +29,8 @@ ALIASES = {
     "qwen3-4b": "mlx-community/Qwen3-4B-4bit",
     "qwen3-8b": "mlx-community/Qwen3-8B-4bit",
     "qwen3-32b": "mlx-community/Qwen3-32B-4bit",
+    "qwen3-30b-a3b": "mlx-community/Qwen3-30B-A3B-4bit",
+    "qwen3-coder": "mlx-community/Qwen3-Coder-30B-A3B-Instruct-4bit",
     "llama3.1": "mlx-community/Llama-3.1-8B-Instruct-4bit",
     "vicuna": "lmsys/vicuna-7b-v1.3",
 }

@@ -39,7 +39,7 @@ from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
-from mlx_spec.models.config import ModelArgs, parse_config
+from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
 from mlx_spec.models.llama import MLP, Attention, Model
 from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
@@ -171,6 +171,8 @@ def eagle_config(target: Model, version: int, layers: list[int] | None = None,
     keys = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings")
     config = {k: getattr(t, k) for k in keys}
+    if config["model_type"] not in ARCHITECTURES:  # a mixture of experts, say: the drafter's layer is a dense Llama's
+        config["model_type"] = "llama"
     config.update(num_hidden_layers=1, intermediate_size=intermediate_size or t.intermediate_size,
                   tie_word_embeddings=False)
     if t.rope_scaling:

@@ -192,8 +192,12 @@ class Model(nn.Module):
         (LayerSkip drafts with the first ones and verifies with the rest)."""
         mask = cache[layers[0]].make_mask(h.shape[1])
         for i in layers:
-            h = self.layers[i](h, mask, cache[i], None)
+            h = self.layer(i, h, mask, cache[i], None)
         return h
+
+    def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:
+        """Layer i over `h` `[B, S, H]`."""
+        return self.layers[i](h, mask, cache, positions)
 
     def head(self, h: mx.array) -> mx.array:
         """Final norm and LM head: `[B, S, H] -> [B, S, V]`."""
@@ -225,11 +229,10 @@ class Model(nn.Module):
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
         for i in range(n_layers):
-            layer = self.layers[i]
             if checkpoint:
-                h = _checkpointed(layer, h, mask, positions)
+                h = _checkpointed(self.layers[i], h, mask, positions)
             else:
-                h = layer(h, mask, cache[i] if cache is not None else None, positions)
+                h = self.layer(i, h, mask, cache[i] if cache is not None else None, positions)
             states[i + 1] = h
         return self.head(h), tuple(states[i] for i in capture)
 

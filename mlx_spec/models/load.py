@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_spec import hub
 from mlx_spec.weights import read_safetensors
 from mlx_spec.errors import UserError
-from mlx_spec.models.config import parse_config
+from mlx_spec.models.config import ARCHITECTURES, parse_config
 from mlx_spec.models.llama import Model
 
 
@@ -118,6 +118,10 @@ def load_model(path_or_repo: str, revision: str | None = None, for_training: boo
     path = hub.resolve(path_or_repo, revision)
     config_path = path / "config.json"
     config = read_json(config_path)
+    if config.get("model_type") not in ARCHITECTURES:  # the families mlx-lm implements, through its code
+        from mlx_spec.models import mlxlm
+
+        return mlxlm.load(path, config, compute_dtype()), path
     weights, origin = read_safetensors(path)
     model, weights = checked_weights(config, config_path, weights, origin, path)
     _load_into(model, weights, path)

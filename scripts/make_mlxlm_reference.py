@@ -1,0 +1,118 @@
+"""Write tiny checkpoints of the families mlx-spec runs through mlx-lm's model code,
+saved by transformers, with transformers' own greedy tokens (tests/test_mlxlm_targets.py).
+
+Needs torch and transformers, which mlx-spec itself does not depend on:
+
+    pip install torch==2.13.0 transformers
+    python scripts/make_mlxlm_reference.py
+
+tests/fixtures/mlxlm_reference/
+  qwen3_moe/  Qwen3MoeForCausalLM as transformers 5 saves it: `num_local_experts`,
+              `rope_parameters` (rope_theta 1e6), experts as `mlp.experts.{e}.*_proj`
+  mixtral/, qwen2_moe/, olmoe/  the other mixtures of experts, as transformers 5 saves them
+  mimo/       Xiaomi MiMo as its checkpoints are laid out: `"model_type": "mimo"`, a Qwen2
+              model (q/k/v biases) with `num_nextn_predict_layers` 1 and its MTP module as
+              `model.mtp_layers.0.*` (research/checkpoint-formats.md 5.2) beside the model's
+              weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
+              model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
+Each holds the tokens of a fixed prompt and 24 greedy tokens computed by transformers (reference.npz).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mlxlm_reference"
+GREEDY_TOKENS = 24
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+CASES = {
+    "qwen3_moe": ("qwen3_moe", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                    norm_topk_prob=True, rope_theta=1e6)),
+    "mimo": ("qwen2", dict(intermediate_size=96, rope_theta=640000.0)),
+    "mixtral": ("mixtral", dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+                                sliding_window=None)),
+    "qwen2_moe": ("qwen2_moe", dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                    norm_topk_prob=False, rope_theta=1e6)),
+    "olmoe": ("olmoe", dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, eos_token_id=2,
+                            rope_theta=10000.0)),
+}
+
+
+def seeded(model: torch.nn.Module, seed: int) -> None:
+    """Weights an untrained model could have, large enough that greedy tokens are not ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def mtp_layer(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """MiMo's `model.mtp_layers.0.*`: a Qwen2 block between input norms, a projection and a final norm."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {
+        "token_layernorm.weight": (H,), "hidden_layernorm.weight": (H,), "input_proj.weight": (H, 2 * H),
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (q, H), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.weight": (kv, H),
+        "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.weight": (kv, H), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (H, q), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+        "mlp.down_proj.weight": (H, I), "final_layernorm.weight": (H,),
+    }
+    out = {}
+    for name, shape in shapes.items():
+        if "layernorm" in name:
+            value = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("bias"):
+            value = 0.1 * torch.randn(shape, generator=g)
+        else:
+            value = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        out[f"model.mtp_layers.0.{name}"] = value
+    return out
+
+
+def main() -> None:
+    prompt = np.random.default_rng(1).integers(3, SHAPE["vocab_size"], size=(1, 24))
+    for name, (model_type, fields) in CASES.items():
+        out = OUT / name
+        shutil.rmtree(out, ignore_errors=True)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SHAPE, **fields),
+                                                 dtype=torch.float32).eval()
+        seeded(model, seed=len(name))
+        model.save_pretrained(out, safe_serialization=True)
+        with torch.no_grad():
+            ids = torch.from_numpy(prompt)
+            for _ in range(GREEDY_TOKENS):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        if name == "mimo":
+            config = json.loads((out / "config.json").read_text())
+            config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+            weights = safetensors.torch.load_file(out / "model.safetensors")
+            weights.update(mtp_layer(config, seed=7))
+            safetensors.torch.save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        np.savez_compressed(out / "reference.npz", prompt=prompt[0].astype(np.int32),
+                            greedy=ids[0, prompt.shape[1]:].numpy().astype(np.int32))
+        (out / "versions.json").write_text(
+            json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n")
+        print(name, "->", out)
+
+
+if __name__ == "__main__":
+    main()
