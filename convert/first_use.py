@@ -69,7 +69,9 @@ def ready(kind: str, source: str, revision: str | None, target: Path | None,
     if kind not in FAMILY_OF and kind != "mtp":
         return source
     whole = kind in ("draft", "target")  # a model is fetched whole anyway
-    path = hub.resolve(source, revision, hub.MODEL_PATTERNS + ("pytorch_model*",) if whole else ["config.json"])
+    path = hub.resolve(source, revision, hub.MODEL_PATTERNS if whole else ["config.json"])
+    if whole and not any(path.glob("*.safetensors")):  # published in pytorch_model.bin form only
+        path = hub.resolve(source, revision, hub.MODEL_PATTERNS + ("pytorch_model*",))
     config = read_json(path / "config.json") if (path / "config.json").exists() else {}
     if _loads_as_is(kind, path, config):
         return source
