@@ -5,7 +5,8 @@ Needs torch and transformers, which mlx-spec itself does not depend on:
     pip install torch==2.13.0 transformers
     python scripts/make_hf_reference.py
 
-For each case it builds a tiny model with mlx_spec.testing's seeded weights,
+For each case (llama with llama3 RoPE scaling, qwen2, mistral with a sliding
+window of 8, qwen3 with YaRN) it builds a tiny model with mlx_spec.testing's seeded weights,
 saves it with transformers' `save_pretrained` (so the config is in the format
 of the installed transformers), and records the logits of a fixed token
 sequence and 16 greedy tokens, computed by transformers.
@@ -40,6 +41,9 @@ CASES = {
         },
     ),
     "qwen2": make_config("qwen2", **SMALL),
+    # Mistral-7B-v0.1's sliding window, shorter than the 40 + 16 tokens here: it decides the output
+    "mistral": make_config("llama", **SMALL, model_type="mistral", architectures=["MistralForCausalLM"],
+                           sliding_window=8),
     "qwen3": make_config(
         "qwen3",
         **SMALL,

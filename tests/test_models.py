@@ -46,7 +46,7 @@ def test_quantized_checkpoint_is_quantized(checkpoints):
     assert proj.weight.dtype == mx.uint32
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3"])
 def test_matches_transformers(name):
     """Logits and greedy tokens recorded with transformers + torch
     (scripts/make_hf_reference.py); llama uses llama3 RoPE scaling and qwen3
@@ -94,3 +94,34 @@ def test_weights_are_float32_on_cpu(checkpoints, tmp_path):
     assert config["model_type"] == "qwen3"
     model, _ = load_model(str(path))
     assert model.model.embed_tokens.weight.dtype == mx.float32
+
+
+def test_mistrals_sliding_window_decides_and_drafters_keep_it(tmp_path):
+    """The window (8 here, 4096 in Mistral-7B-v0.1) is shorter than the text: without it the
+    greedy tokens differ from transformers'; with it, a drafter's output is plain decoding's."""
+    import json
+    import shutil
+
+    from mlx_spec.decoding import plain_steps, speculative_steps
+    from mlx_spec.drafters.lookup import PromptLookup
+
+    ref = np.load(FIXTURES / "mistral" / "reference.npz")
+    prompt, greedy = ref["input_ids"][0].tolist(), ref["greedy"].tolist()
+    unwindowed = tmp_path / "mistral"
+    shutil.copytree(FIXTURES / "mistral", unwindowed)
+    config = json.loads((unwindowed / "config.json").read_text())
+    (unwindowed / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    model, _ = load_model(str(unwindowed))
+    assert [t for e in plain_steps(model, prompt, SamplingParams(), len(greedy)) for t in e.tokens] != greedy
+    model, _ = load_model(str(FIXTURES / "mistral"))
+    prompt = prompt + prompt[:10]
+    plain = [t for e in plain_steps(model, prompt, SamplingParams(), 24) for t in e.tokens]
+    events = list(speculative_steps(model, prompt, SamplingParams(), 24, PromptLookup(1, 3), num_draft=3))
+    assert [t for e in events for t in e.tokens] == plain
+    # A tree's mask is its own: past the window it is refused, naming it.
+    from mlx_spec.drafters.medusa import Medusa, MedusaHeads
+    from mlx_spec.errors import UserError
+
+    heads = MedusaHeads(3, 1, model.args.hidden_size, model.args.vocab_size)
+    with pytest.raises(UserError, match="sliding window"):
+        list(speculative_steps(model, prompt, SamplingParams(), 8, Medusa(heads, model, None, 8)))

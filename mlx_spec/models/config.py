@@ -41,6 +41,7 @@ class ModelArgs:
     qk_norm: bool
     max_position_embeddings: int
     quantization: dict | None = None
+    sliding_window: int | None = None  # each token attends to this many positions (itself included)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -81,10 +82,11 @@ def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
             f"{source}: model_type '{model_type}' is not supported "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
-    if config.get("use_sliding_window") or (
-        model_type == "mistral" and config.get("sliding_window")
-    ):
-        raise UserError(f"{source}: sliding-window attention is not supported yet")
+    if config.get("use_sliding_window"):  # Qwen2's: windows on some layers only
+        raise UserError(f"{source}: use_sliding_window (windows on some layers) is not supported yet")
+    window = config.get("sliding_window") if model_type == "mistral" else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise UserError(f"{source}: 'sliding_window' must be a positive integer or null, got {window!r}")
     hidden = int(_required(config, "hidden_size", source))
     heads = int(_required(config, "num_attention_heads", source))
     attention_bias = bool(config.get("attention_bias", False))
@@ -109,5 +111,6 @@ def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
         qk_norm=qk_norm,
         max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
         quantization=config.get("quantization"),
+        sliding_window=window if window and window < int(config.get("max_position_embeddings", 32768)) else None,
         extra=config,
     )

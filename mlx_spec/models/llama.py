@@ -16,6 +16,10 @@ without renaming. The forward follows mlx-spec's target contract:
   `num_hidden_layers` is the last layer's output before the final norm.
   `hidden` holds one `[B, S, H]` array per index, in order.
 - `exit_layer=E`: run layers 0..E-1, then the final norm and LM head (LayerSkip).
+
+Mistral's `sliding_window` W (Mistral-7B-v0.1's 4096): each token attends to the
+last W positions, itself included, once the text is longer; a tree reaching past
+the window is refused.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_spec.attention import TreeMask, tree_attention
 from mlx_spec.cache import KVCache, make_cache
+from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs
 from mlx_spec.models.rope import RoPE
 
@@ -190,7 +196,7 @@ class Model(nn.Module):
     def run_layers(self, h: mx.array, cache: Sequence[KVCache], layers: range) -> mx.array:
         """Layers `layers` only, over `h` `[B, S, H]` (causal), each with its cache
         (LayerSkip drafts with the first ones and verifies with the rest)."""
-        mask = cache[layers[0]].make_mask(h.shape[1])
+        mask = default_mask(h.shape[1], cache[layers[0]:], self.args.sliding_window)
         for i in layers:
             h = self.layer(i, h, mask, cache[i], None)
         return h
@@ -224,8 +230,12 @@ class Model(nn.Module):
         if any(not 0 <= i <= n_layers for i in capture):
             raise ValueError(f"capture indices must be in 0..{n_layers}, got {list(capture)}")
         h = self.model.embed_tokens(tokens)  # [B, S, H]
+        window = getattr(self.args, "sliding_window", None)
         if mask is None:
-            mask = default_mask(tokens.shape[1], cache)
+            mask = default_mask(tokens.shape[1], cache, window)
+        elif window and (max(cache[0].lengths) if cache else 0) + tokens.shape[1] > window:
+            raise UserError(f"a tree reaching past the sliding window ({window} tokens) of this {self.model_type} "
+                            "target: verify chains (no --tree, --tree-budget)")
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
         for i in range(n_layers):
@@ -237,11 +247,17 @@ class Model(nn.Module):
         return self.head(h), tuple(states[i] for i in capture)
 
 
-def default_mask(S: int, cache: Sequence[KVCache] | None):
-    """Causal over S new tokens; with a cache, its mask (rows of different lengths)."""
+def default_mask(S: int, cache: Sequence[KVCache] | None, window: int | None = None):
+    """Causal over S new tokens; with a cache, its mask (rows of different lengths);
+    with a sliding `window`, only the last `window` positions, once they are more."""
+    held = max(cache[0].lengths) if cache is not None else 0
+    window = window if window and held + S > window else None  # within the window: plainly causal
     if cache is not None:
-        return cache[0].make_mask(S)
-    return "causal" if S > 1 else None
+        return cache[0].make_mask(S, window_size=window)
+    if window is None:
+        return "causal" if S > 1 else None
+    query, key = np.arange(S)[:, None], np.arange(S)[None, :]
+    return mx.array((key <= query) & (key > query - window))[None, None]  # [1, 1, S, S]
 
 
 def _checkpointed(layer: DecoderLayer, h: mx.array, mask, positions) -> mx.array:

@@ -59,6 +59,7 @@ class TargetArgs:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
+    sliding_window: int | None = None  # (sliding-window configs are refused: their layers differ)
 
     @classmethod
     def of(cls, config: dict, layers: int) -> "TargetArgs":
