@@ -222,3 +222,18 @@ def test_a_draft_model_in_pytorch_form(tmp_path, checkpoints):
     assert json.loads(first.stdout)["identical_to_plain"] is True
     second = generate(checkpoints["llama"], f"draft={folder}", home)
     assert second.returncode == 0 and "converting" not in second.stderr, second.stderr
+
+
+def test_the_chat_says_what_it_converts(tmp_path, checkpoints):
+    """Piped `mlx-spec chat`: the conversion's line on stderr, the answer on stdout."""
+    import os
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "mlx_spec.cli", "chat", "--model", str(checkpoints["qwen3"]), "--drafter",
+            f"eagle3={TORCH / 'eagle3-angelslim'}", "--max-tokens", "4"]
+    proc = subprocess.run(args, input="hello\n", capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MLX_SPEC_HOME": str(tmp_path / "home")})
+    assert proc.returncode == 0, proc.stderr
+    assert f"converting {TORCH / 'eagle3-angelslim'} for --drafter eagle3, once" in proc.stderr
+    assert proc.stdout.strip()

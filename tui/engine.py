@@ -66,6 +66,11 @@ class Status:
 
 
 @dataclass
+class Notice(Status):
+    """A line the user should read, not only see pass (a conversion made on first use)."""
+
+
+@dataclass
 class Loaded:
     model: str
     drafter: str
@@ -181,7 +186,7 @@ class Engine:
 
     def _say(self, message: str) -> None:
         """A line for the user while loading (a conversion on first use, say)."""
-        self.emit(Status(message))
+        self.emit(Notice(message))
 
     def _loaded(self) -> None:
         from mlx_spec.tokenizer import has_thinking_switch

@@ -24,6 +24,8 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
             answer.append(event.text)
             sys.stdout.write(event.text)
             sys.stdout.flush()
+        elif isinstance(event, engine.Notice):
+            print(f"mlx-spec: {event.text}", file=sys.stderr, flush=True)
         elif isinstance(event, engine.Begin):
             opened[0] = event.reasoning
         elif isinstance(event, engine.Failed):
