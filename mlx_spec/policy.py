@@ -194,6 +194,8 @@ class Policy:
         m = self.measured(1)
         if not m.times:
             return self.k_max  # start optimistic: the measured costs soon say
+        if m.samples(1) < 2:  # and measure a plain round's cost: without it, every K looks as cheap
+            return 0
         best = self._best(m, keys, drafters)
         if best:
             m.every = 0

@@ -275,6 +275,8 @@ def one_row_policy(k_drafted, accepted, draft_time, verify_time, rounds=30):
     policy = Policy(8)
     drafter = PromptLookup()
     drafter.costly = True
+    for _ in range(3):  # plain rounds, as a decoder measures them (the first of a shape is not counted)
+        policy.record([0], [0], [0], 1, 1, verify_time(1), verify_time(1), {id(drafter): (0.0, 0)})
     for i in range(rounds):
         k = k_drafted[i % len(k_drafted)] if isinstance(k_drafted, list) else k_drafted
         n = accepted(k) if callable(accepted) else accepted
