@@ -24,6 +24,8 @@ import mlx.core as mx
 
 from mlx_spec.weights import read_safetensors_file
 from mlx_spec.errors import UserError
+from mlx_spec.drafters.mtp import GATED
+from mlx_spec.models.mlxlm import stack_experts
 from mlx_spec.files import write_model_files
 
 # Layout -> (regex of a module tensor: module index, rest), renames of the non-block names.
@@ -44,13 +46,14 @@ PATTERNS = {
 }
 BLOCK = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn|mlp)\.")
 # Architectures whose MTP block is one of our decoder layers.
+# (Qwen3-Next's and Qwen3.5's are their own full-attention layers, with gated attention: mlx-lm's.)
 BLOCK_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mimo": "qwen2",
-               "qwen3_next": "qwen3", "qwen3_5": "qwen3", "qwen3_5_text": "qwen3"}
+               "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
 
 
 def detect_layout(names: list[str], target_config: dict) -> str | None:
     """Which layout a checkpoint's tensor names follow; None when it has no MTP modules."""
-    L = int(target_config.get("num_hidden_layers", -1))
+    L = int((target_config.get("text_config") or target_config).get("num_hidden_layers", -1))
     if any(n.startswith("mtp.") for n in names):
         return "qwen3_next"
     if any(n.startswith("model.mtp_layers.") for n in names):
@@ -85,7 +88,8 @@ def _rename(layout: str, k: int, rest: str, source: str) -> str | None:
         new = renames[rest]
         return None if new is None else f"layers.{k}.{new}"
     if BLOCK.match(rest):
-        if rest.startswith("mlp.") and (rest.startswith(("mlp.experts.", "mlp.shared_expert")) or rest == "mlp.gate.weight"):
+        if layout != "qwen3_next" and rest.startswith("mlp.") and (
+                rest.startswith(("mlp.experts.", "mlp.shared_expert")) or rest == "mlp.gate.weight"):
             raise UserError(f"{source}: tensor '{rest}' of MTP module {k} is a mixture-of-experts block; only dense MTP blocks are supported")
         if rest.endswith("weight_scale_inv"):
             raise UserError(f"{source}: tensor '{rest}' of MTP module {k} is FP8; convert the checkpoint to bf16 first")
@@ -109,7 +113,7 @@ def read_mtp(source_dir: Path, target_config: dict) -> tuple[str, dict[str, mx.a
     layout = detect_layout(list(weight_map), target_config)
     if layout is None:
         raise UserError(f"{source_dir}: no MTP tensors (DeepSeek model.layers.L.eh_proj, MiMo model.mtp_layers, Qwen3-Next mtp.*)")
-    L = int(target_config["num_hidden_layers"])
+    L = int((target_config.get("text_config") or target_config)["num_hidden_layers"])
     keys = {name: key for name in weight_map if (key := _module_key(layout, name, L)) is not None}
     shards: dict[str, dict[str, mx.array]] = {}
     weights: dict[str, mx.array] = {}
@@ -126,13 +130,13 @@ def read_mtp(source_dir: Path, target_config: dict) -> tuple[str, dict[str, mx.a
         if layout == "qwen3_next" and new.endswith("norm.weight"):
             value = value + 1  # zero-centred RMSNorm -> plain
         weights[new] = value
-    return layout, weights
+    return layout, stack_experts(weights)
 
 
 def mtp_config(layout: str, weights: dict[str, mx.array], target_config: dict) -> dict:
     """The MTP folder's config: the target's block shape, one layer, the `mtp` section."""
     config = dict(target_config.get("text_config") or target_config)
-    model_type = config.get("model_type")
+    model_type = target_config.get("model_type")
     if model_type not in BLOCK_TYPES:
         raise UserError(f"config.json: MTP blocks of model_type '{model_type}' are not supported "
                         f"(supported: {', '.join(sorted(BLOCK_TYPES))})")
@@ -144,7 +148,7 @@ def mtp_config(layout: str, weights: dict[str, mx.array], target_config: dict) -
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     q = weights.get("layers.0.block.self_attn.q_proj.weight")
-    if q is not None and q.shape[0] == 2 * heads * head_dim:
+    if q is not None and q.shape[0] == 2 * heads * head_dim and config["model_type"] not in GATED:
         raise UserError("config.json: the MTP block uses gated attention (q_proj gives queries and gates); not supported")
     config["mtp"] = {"layout": layout, "num_modules": n, "hidden_first": layout == "mimo",
                      "has_head": "layers.0.head.weight" in weights}

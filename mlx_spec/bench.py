@@ -310,6 +310,32 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     return runners, drafters
 
 
+def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> dict | None:
+    """What rolling a hybrid target's linear-attention layers back costs a round: after a verification
+    of k + 1 tokens, the next step with a cut to about half of them first (it replays the recurrence
+    for the kept tokens) against the next step with no cut, a plain step; the two kinds of round
+    interleaved on one cache. None for a target with no linear-attention layers."""
+    from mlx_spec.cache import RecurrentCache, cut_cache
+
+    cache = model.make_cache()
+    if not any(isinstance(c, RecurrentCache) for c in cache):
+        return None
+    mx.eval(model(mx.array([prompt]), cache)[0])
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * repeats + 2):
+        cut = i % 2 == 0
+        start = cache[0].lengths[0]
+        mx.eval(model(mx.array([prompt[: k + 1]]), cache)[0])  # the verification
+        if cut:
+            cut_cache(cache, 0, start + 1 + k // 2)
+        tic = time.perf_counter()
+        mx.eval(model(mx.array([prompt[:1]]), cache)[0])
+        if i >= 2:  # the first two warm up
+            steps[cut].append(time.perf_counter() - tic)
+    with_cut, plain = _median(steps[True]), _median(steps[False])
+    return {"replayed_tokens": k // 2 + 1, "rollback_ms": 1e3 * (with_cut - plain), "plain_step_ms": 1e3 * plain}
+
+
 def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> dict:
     """Measure every method at every temperature; the report as a dict (`template_args`: `load_prompts`')."""
     from mlx_spec import api
@@ -368,6 +394,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         "repeats": args.repeats,
         "rows": [r.as_dict(plain[r.temp], bound) for r in rows],
         "concurrency": concurrency,
+        "rollback": rollback_cost(model, prompts[0]),
     }
 
 
@@ -381,6 +408,11 @@ def format_report(report: dict) -> str:
         f"{'':30} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'predicted':>9} {'tau':>5} "
         f"{'c':>5} {'of bound':>8}  {'acceptance by position':24} greedy = plain",
     ]
+    rollback = report.get("rollback")
+    if rollback:
+        lines.insert(2, f"linear-attention rollback: {rollback['rollback_ms']:.2f} ms a round (the recurrence replayed "
+                        f"over {rollback['replayed_tokens']} kept tokens), {rollback['rollback_ms'] / rollback['plain_step_ms']:.2f}"
+                        f" of a plain step ({rollback['plain_step_ms']:.2f} ms)")
     notes = []
     for r in report["rows"]:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:6])

@@ -10,11 +10,18 @@ roll-back the cache cannot do raises `CacheError`.
 It speaks mlx-lm's cache protocol (`offset`, `update_and_fetch`, `make_mask`,
 `trim`, `state`), so mlx-lm's attention layers run on it: `offset` is one int
 while every row has the same length (always, for one row), else one per row.
+
+A linear-attention layer (Gated DeltaNet: Qwen3-Next, Qwen3.5) holds no keys to
+cut, only a convolution window and a recurrent state that every token updated.
+`RecurrentCache` rolls it back exactly without a second forward: a forward of a
+few tokens keeps its inputs (the tape: the convolution's input and the
+recurrence's), and a cut re-applies the recurrence to the kept tokens only,
+from the state before that forward.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -22,14 +29,10 @@ import numpy as np
 from mlx_spec.errors import CacheError
 
 
-class KVCache:
-    """Keys/values of one attention layer for `rows` rows, `[B, H_kv, capacity, D]`."""
+class _Rows:
+    """Per-row token counts, and the attention mask they imply."""
 
-    def __init__(self, rows: int = 1, step: int = 256):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.lengths = [0] * rows
-        self.step = step
+    lengths: list[int]
 
     @property
     def rows(self) -> int:
@@ -44,6 +47,44 @@ class KVCache:
     def offset(self) -> int | mx.array:
         """Where the next tokens go: an int while the rows are aligned, else `[B]`."""
         return self.lengths[0] if self.aligned else mx.array(self.lengths)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The attention mask of N tokens about to be written: each row's queries see
+        that row's cache and, causally, its new tokens (and only the last
+        `window_size` positions, where given). "causal" or None where SDPA needs no array."""
+        if self.aligned and not return_array and window_size is None:
+            return "causal" if N > 1 else None
+        lengths = np.array(self.lengths)[:, None, None]  # [B, 1, 1]
+        query = lengths + np.arange(N)[None, :, None]  # [B, N, 1] positions
+        key = np.arange(max(self.lengths) + N)[None, None, :]
+        allowed = (key < lengths) | ((key >= lengths) & (key <= query))
+        if window_size is not None:
+            allowed &= key > query - window_size
+        return mx.array(allowed[:, None])  # [B, 1, N, L + N]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Every row forgets its last `n` tokens (a rejected chain tail)."""
+        if n < 0 or n > min(self.lengths):
+            raise CacheError(f"cannot trim {n} tokens from a cache holding {min(self.lengths)}")
+        for b, m in enumerate(self.lengths):
+            self.cut(b, m - n)
+        return n
+
+    def can_trim(self, n: int) -> bool:
+        return 0 <= n <= min(self.lengths, default=0)
+
+
+class KVCache(_Rows):
+    """Keys/values of one attention layer for `rows` rows, `[B, H_kv, capacity, D]`."""
+
+    def __init__(self, rows: int = 1, step: int = 256):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.lengths = [0] * rows
+        self.step = step
 
     def _reserve(self, end: int, k: mx.array, v: mx.array) -> None:
         have = 0 if self.keys is None else self.keys.shape[2]
@@ -78,30 +119,6 @@ class KVCache:
             self.values[rows, :, slots] = v.transpose(0, 2, 1, 3)
         self.lengths = [n + S for n in self.lengths]
         return self.keys[..., :end, :], self.values[..., :end, :]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """The attention mask of N tokens about to be written: each row's queries see
-        that row's cache and, causally, its new tokens (and only the last
-        `window_size` positions, where given). "causal" or None where SDPA needs no array."""
-        if self.aligned and not return_array and window_size is None:
-            return "causal" if N > 1 else None
-        lengths = np.array(self.lengths)[:, None, None]  # [B, 1, 1]
-        query = lengths + np.arange(N)[None, :, None]  # [B, N, 1] positions
-        key = np.arange(max(self.lengths) + N)[None, None, :]
-        allowed = (key < lengths) | ((key >= lengths) & (key <= query))
-        if window_size is not None:
-            allowed &= key > query - window_size
-        return mx.array(allowed[:, None])  # [B, 1, N, L + N]
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Every row forgets its last `n` tokens (a rejected chain tail)."""
-        if n < 0 or n > min(self.lengths):
-            raise CacheError(f"cannot trim {n} tokens from a cache holding {min(self.lengths)}")
-        self.lengths = [m - n for m in self.lengths]
-        return n
 
     def cut(self, b: int, length: int) -> None:
         """Row b keeps its first `length` tokens."""
@@ -155,6 +172,122 @@ class KVCache:
         return [self.keys, self.values]
 
 
+# The tape holds the last forwards of at most this many tokens in all (verifications, decoding
+# steps, LayerSkip's drafts one token at a time); a longer forward (a prompt) clears it, and
+# cannot be cut into.
+TAPE_MAX = 64
+
+
+class RecurrentCache(_Rows):
+    """Convolution window and recurrent state of one linear-attention layer for `rows` rows.
+
+    `arrays` is what the layer reads and writes (mlx-lm's `ArraysCache` protocol: [0] the
+    convolution's last inputs `[B, K - 1, C]`, [1] the recurrent state `[B, H, Dv, Dk]`). Around
+    a forward of S tokens the target calls `begin(S)` and `end(S)`; the layer's hooks hand it
+    that forward's tape: `record_conv(x)` the convolution's input `[B, K - 1 + S, C]`, and
+    `record_recurrence(replay)` a function giving the state after each row's first n of the S
+    tokens. A cut back into the taped forwards is applied (replayed) before the next forward."""
+
+    def __init__(self, rows: int = 1):
+        from mlx_lm.models.cache import ArraysCache
+
+        self.arrays = ArraysCache(2)
+        self.lengths = [0] * rows
+        self.tape: list[dict] = []  # the forwards since the last cut, oldest first
+        self.cuts: dict[int, int] = {}  # row -> length, not yet applied
+
+    def begin(self, S: int) -> bool:
+        """A forward of S tokens is about to run; whether it is taped."""
+        self.settle()
+        if S > TAPE_MAX:
+            self.tape = []
+            return False
+        self.tape.append({"S": S, "starts": list(self.lengths)})
+        while self.lengths[0] - self.tape[0]["starts"][0] + S > TAPE_MAX:  # (rows advance together)
+            self.tape.pop(0)
+        return True
+
+    def end(self, S: int) -> None:
+        self.lengths = [n + S for n in self.lengths]
+
+    def record_conv(self, x: mx.array) -> None:
+        self.tape[-1]["conv"] = x
+
+    def record_recurrence(self, replay) -> None:
+        self.tape[-1]["replay"] = replay
+
+    def _earliest(self, b: int) -> int:
+        return self.tape[0]["starts"][b] if self.tape else self.lengths[b]
+
+    def cut(self, b: int, length: int) -> None:
+        """Row b keeps its first `length` tokens: at least those before the taped forwards."""
+        if length == self.lengths[b]:
+            return
+        if not self._earliest(b) <= length < self.lengths[b]:
+            raise CacheError(f"cannot cut row {b} of a linear-attention layer to {length} tokens: it holds "
+                             f"{self.lengths[b]}, and can go back only to {self._earliest(b)}")
+        self.cuts[b] = length
+        self.lengths[b] = length
+
+    def can_trim(self, n: int) -> bool:
+        return all(self._earliest(b) <= m - n for b, m in enumerate(self.lengths))
+
+    def settle(self) -> None:
+        """Apply the cuts: each cut row's window and state after its kept tokens, replayed from
+        the taped forward they end in. The tape then starts again."""
+        cuts, tape = self.cuts, self.tape
+        if not cuts:
+            return
+        self.cuts, self.tape = {}, []
+        groups: dict[int, list[int]] = {}
+        for b, length in cuts.items():
+            groups.setdefault(max(j for j, t in enumerate(tape) if t["starts"][b] <= length), []).append(b)
+        for j, rows in groups.items():
+            t = tape[j]
+            kept = [cuts[b] - t["starts"][b] if b in rows else t["S"] for b in range(self.rows)]
+            width = t["conv"].shape[1] - t["S"]
+            at = (mx.array(kept)[:, None] + mx.arange(width)[None])[..., None]  # [B, K - 1, 1]
+            values = (mx.take_along_axis(t["conv"], at, axis=1), t["replay"](kept))
+            for i, value in enumerate(values):
+                if len(rows) < self.rows and value is not None:  # the other rows keep theirs
+                    chosen = mx.array([b in rows for b in range(self.rows)]).reshape(-1, *[1] * (value.ndim - 1))
+                    value = mx.where(chosen, value, self.arrays[i])
+                self.arrays[i] = value
+
+    def keep(self, indices: Sequence[int], start: int, b: int = 0) -> None:
+        idx = [int(i) for i in indices]
+        if idx != list(range(start, start + len(idx))):
+            raise CacheError("a linear-attention layer cannot keep a tree's path: verify chains")
+        self.cut(b, start + len(idx))
+
+    def extend(self, other: RecurrentCache) -> None:
+        self.settle()
+        other.settle()
+        for i in range(2):
+            mine, theirs = self.arrays[i], other.arrays[i]
+            like = mine if mine is not None else theirs
+            if like is not None:
+                mine = mine if mine is not None else mx.zeros((self.rows, *like.shape[1:]), like.dtype)
+                theirs = theirs if theirs is not None else mx.zeros((other.rows, *like.shape[1:]), like.dtype)
+                self.arrays[i] = mx.concatenate([mine, theirs])
+        self.lengths += other.lengths
+        self.tape = []
+
+    def remove(self, b: int) -> None:
+        self.settle()
+        keep = mx.array([i for i in range(self.rows) if i != b])
+        for i in range(2):
+            if self.arrays[i] is not None:
+                self.arrays[i] = self.arrays[i][keep] if self.rows > 1 else None
+        del self.lengths[b]
+        self.tape = []
+
+    @property
+    def state(self) -> list[mx.array]:
+        self.settle()
+        return [a for a in self.arrays.cache if a is not None]
+
+
 def _rows(x: mx.array | None, rows: int, like: mx.array, width: int) -> mx.array:
     """`x` `[B, H, L, D]` zero-padded to `width` slots; None (rows that hold
     nothing yet): `rows` rows of zeros shaped like `like`."""
@@ -167,6 +300,17 @@ def _rows(x: mx.array | None, rows: int, like: mx.array, width: int) -> mx.array
 def make_cache(num_layers: int, rows: int = 1) -> list[KVCache]:
     """One cache per layer."""
     return [KVCache(rows) for _ in range(num_layers)]
+
+
+def rewound(cache: list, keep: int, fresh: Callable[[], list]) -> list:
+    """`cache` cut to its first `keep` tokens (an earlier chat turn's, that the next prompt
+    shares), or `fresh()` where a linear-attention layer cannot go back so far (it reads
+    the whole prompt again)."""
+    n = cache[0].lengths[0] - keep
+    if not all(c.can_trim(n) for c in cache):
+        return fresh()
+    trim_cache(cache, n)
+    return cache
 
 
 def trim_cache(cache: list[KVCache], n: int) -> None:

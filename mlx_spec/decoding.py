@@ -104,6 +104,9 @@ class Decoder:
             slot = drafter.rows - 1
             drafter.bind(single)
             kept = drafter.restart(slot, context, held)
+            if not all(c.can_trim(held - kept) for c in single):  # a linear-attention layer cannot go back so far
+                single, held = self.model.make_cache(), 0
+                kept = drafter.restart(slot, context, 0)
             trim_cache(single, held - kept)
             held, capture = kept, drafter.capture
             if capture:  # a drafter reading the target's features gets the prompt's as they are computed

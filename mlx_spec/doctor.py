@@ -66,9 +66,11 @@ def report() -> str:
 def architectures() -> list[str]:
     """The targets mlx-spec runs, by model_type, and the drafts they verify."""
     from mlx_spec.models.config import ARCHITECTURES
-    from mlx_spec.models.mlxlm import FAMILIES
+    from mlx_spec.models.mlxlm import FAMILIES, HYBRID
 
     own = ", ".join(ARCHITECTURES)
-    through = ", ".join(FAMILIES)
+    trees = ", ".join(f for f in FAMILIES if f not in HYBRID)
+    chains = ", ".join(f for f in FAMILIES if f in HYBRID)
     return [f"targets   {own}: every drafter, chains and trees (mlx-spec's own model code)",
-            f"targets   {through}: chain drafters (mlx-lm's model code)"]
+            f"targets   {trees}: every drafter, chains and trees (mlx-lm's model code)",
+            f"targets   {chains}: every drafter, chains (linear-attention layers rolled back exactly; mlx-lm's model code)"]

@@ -10,12 +10,27 @@ tests/fixtures/mlxlm_reference/
   qwen3_moe/  Qwen3MoeForCausalLM as transformers 5 saves it: `num_local_experts`,
               `rope_parameters` (rope_theta 1e6), experts as `mlp.experts.{e}.*_proj`
   mixtral/, qwen2_moe/, olmoe/  the other mixtures of experts, as transformers 5 saves them
+  gpt_oss/    GptOssForCausalLM: sliding and full layers alternating (window 8, shorter than the
+              text), attention sinks, YaRN with `truncate: false` as gpt-oss's config has it,
+              experts fused as transformers stores them (`experts.gate_up_proj` [E, H, 2I])
+  gemma3_text/ Gemma3ForCausalLM: two sliding layers (window 8) then a full one, per-layer-type
+              `rope_parameters` (linear scaling 8 on the full layer), a hidden size whose
+              embedding scale is not a bfloat16 number (sqrt(80)), query_pre_attn_scalar 24
+  qwen3_next/ Qwen3NextForCausalLM: three Gated DeltaNet layers, then a gated full-attention
+              layer with partial rotary embeddings; mixture of experts with a shared expert
+  qwen3_5/    Qwen3_5ForConditionalGeneration as Qwen3.5 is published: a vision tower beside the
+              text model (`model.visual.*`, `model.language_model.*`, `lm_head`), the text config
+              in `text_config`, and its MTP module as `mtp.*` (research/checkpoint-formats.md 5.3);
+              the reference is the same model's text-only greedy tokens
+  qwen3_5_moe/ Qwen3_5MoeForConditionalGeneration likewise (Qwen3.5-35B-A3B's form): experts (as
+              transformers 5 writes them, one tensor each) and a shared expert, in the MTP layer too
   mimo/       Xiaomi MiMo as its checkpoints are laid out: `"model_type": "mimo"`, a Qwen2
               model (q/k/v biases) with `num_nextn_predict_layers` 1 and its MTP module as
               `model.mtp_layers.0.*` (research/checkpoint-formats.md 5.2) beside the model's
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
-Each holds the tokens of a fixed prompt and 24 greedy tokens computed by transformers (reference.npz).
+Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
+transformers computed after it (reference.npz).
 """
 
 from __future__ import annotations
@@ -34,16 +49,32 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mlxlm_ref
 GREEDY_TOKENS = 24
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4)
+QWEN3_5_TEXT = dict(SHAPE, num_hidden_layers=4, intermediate_size=96, **LINEAR)
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      num_position_embeddings=16)
 CASES = {
     "qwen3_moe": ("qwen3_moe", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                                     num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                     norm_topk_prob=True, rope_theta=1e6)),
     "mimo": ("qwen2", dict(intermediate_size=96, rope_theta=640000.0)),
+    "qwen3_5": ("qwen3_5", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
     "mixtral": ("mixtral", dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
                                 sliding_window=None)),
     "qwen2_moe": ("qwen2_moe", dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                     num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                     norm_topk_prob=False, rope_theta=1e6)),
+    "gpt_oss": ("gpt_oss", dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"])),
+    "gemma3_text": ("gemma3_text", dict(hidden_size=80, num_hidden_layers=3, intermediate_size=96, sliding_window=8,
+                                        query_pre_attn_scalar=24, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1e6}})),
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=40,
+                                      shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2, **LINEAR)),
     "olmoe": ("olmoe", dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, eos_token_id=2,
                             rope_theta=10000.0)),
 }
@@ -87,16 +118,47 @@ def mtp_layer(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def mtp_module(weights: dict[str, torch.Tensor], prefix: str, seed: int) -> dict[str, torch.Tensor]:
+    """Qwen3.5's `mtp.*`: the norms and projection before, and one full-attention layer shaped
+    like the model's own (its last layer, `prefix`), with zero-centred norms as Qwen3.5 stores them."""
+    g = torch.Generator().manual_seed(seed)
+    H = weights[f"{prefix}.input_layernorm.weight"].shape[0]
+    shapes = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
+              "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
+    shapes.update({"mtp.layers.0." + k[len(prefix) + 1:]: tuple(v.shape) for k, v in weights.items() if k.startswith(prefix + ".")})
+    out = {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            out[name] = 0.1 * torch.randn(shape, generator=g)  # zero-centred: the scale is 1 + w
+        else:
+            out[name] = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+    return out
+
+
+def build(name: str, model_type: str, fields: dict) -> torch.nn.Module:
+    if name == "qwen3_5":
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=QWEN3_5_TEXT, vision_config=QWEN3_5_VISION))
+    if name == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        text = dict(QWEN3_5_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                    shared_expert_intermediate_size=48)
+        return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=QWEN3_5_VISION))
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SHAPE, **fields}), dtype=torch.float32)
+
+
 def main() -> None:
     prompt = np.random.default_rng(1).integers(3, SHAPE["vocab_size"], size=(1, 24))
     for name, (model_type, fields) in CASES.items():
         out = OUT / name
         shutil.rmtree(out, ignore_errors=True)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SHAPE, **fields),
-                                                 dtype=torch.float32).eval()
+        model = build(name, model_type, fields).float().eval()
         seeded(model, seed=len(name))
         model.save_pretrained(out, safe_serialization=True)
         with torch.no_grad():
+            logits = model(torch.from_numpy(prompt)).logits[0].numpy()  # [S, V]: the prompt's, for a closer check
             ids = torch.from_numpy(prompt)
             for _ in range(GREEDY_TOKENS):
                 ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -107,8 +169,15 @@ def main() -> None:
             weights = safetensors.torch.load_file(out / "model.safetensors")
             weights.update(mtp_layer(config, seed=7))
             safetensors.torch.save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        if name in ("qwen3_5", "qwen3_5_moe"):
+            weights = safetensors.torch.load_file(out / "model.safetensors")
+            weights.update(mtp_module(weights, "model.language_model.layers.3", seed=11))
+            safetensors.torch.save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+            config = json.loads((out / "config.json").read_text())
+            config["text_config"].update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+            (out / "config.json").write_text(json.dumps(config, indent=2))
         np.savez_compressed(out / "reference.npz", prompt=prompt[0].astype(np.int32),
-                            greedy=ids[0, prompt.shape[1]:].numpy().astype(np.int32))
+                            greedy=ids[0, prompt.shape[1]:].numpy().astype(np.int32), logits=logits)
         (out / "versions.json").write_text(
             json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n")
         print(name, "->", out)

@@ -84,7 +84,7 @@ def later_turns_are_exact(target, session, prompt, max_tokens=12) -> list[int]:
     and the output must be what a fresh run on the whole prompt gives. `session`
     is a drafter (None: plain decoding). Returns, per later turn, how many
     cached tokens the drafter let the target keep."""
-    from mlx_spec.cache import trim_cache
+    from mlx_spec.cache import rewound
     from mlx_spec.decoding import plain_steps, speculative_steps
     from mlx_spec.drafters.base import common_prefix
     from mlx_spec.sampling import SamplingParams
@@ -112,7 +112,7 @@ def later_turns_are_exact(target, session, prompt, max_tokens=12) -> list[int]:
     for follow_up in (context + [40, 41, 42], context[:-3] + [7, 8]):  # extends it; parts from it
         held = cache[0].offset
         assert 0 < held < len(context)  # at most the last token is not in the cache yet
-        trim_cache(cache, held - min(common_prefix(context, follow_up), held))
+        cache = rewound(cache, min(common_prefix(context, follow_up), held), target.make_cache)
         out = run(follow_up, cache)
         assert out == run(follow_up)  # a fresh plain run
         context = follow_up + out

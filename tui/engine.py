@@ -204,7 +204,7 @@ class Engine:
         s.drafter, s.drafter_spec = drafter, spec if drafter is not None else "none"
 
     def _generate(self, job: Generate) -> None:
-        from mlx_spec.cache import trim_cache
+        from mlx_spec.cache import rewound
         from mlx_spec.decoding import plain_steps, speculative_steps
         from mlx_spec.drafters.base import common_prefix
         from mlx_spec.generate import Generation, stream_generate
@@ -220,7 +220,7 @@ class Engine:
             s.cache, s.context = s.model.make_cache(), []
         # Keep what this prompt shares with the tokens the cache was built from.
         reused = min(common_prefix(s.context, prompt), s.cache[0].offset, len(prompt) - 1)
-        trim_cache(s.cache, s.cache[0].offset - reused)
+        s.cache = rewound(s.cache, reused, s.model.make_cache)
         s.context = list(prompt)  # the tokens whose K/V the cache will hold grow from here
         params = SamplingParams(temp=job.temp, top_p=job.top_p)
         if s.drafter is None:

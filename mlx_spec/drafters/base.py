@@ -196,7 +196,7 @@ class RowStates(Drafter):
 
     def add(self) -> None:
         for c in self.caches:
-            c.extend(KVCache())
+            c.extend(type(c)())  # a row holding nothing yet (a draft model's linear-attention layers too)
         for name, value in self.new_row().items():
             getattr(self, name).append(value)
 

@@ -73,7 +73,7 @@ class LayerSkip(HostDrafter):
         feed = mx.array(context[-1:])[None]  # the pending token first
         states, tokens, dists = [], [], []
         for i in range(k):
-            h = self.target.run_layers(self.target.model.embed_tokens(feed), self.cache, early)  # [1, 1, H]
+            h = self.target.run_layers(self.target.embed(feed), self.cache, early)  # [1, 1, H]
             states.append(h)
             logits = self.target.head(h)[:, -1]  # [1, V]
             token, lp = draw(logits, params)
@@ -90,7 +90,7 @@ class LayerSkip(HostDrafter):
             return target(inputs, cache, capture=capture)  # a plain round
         L = target.args.num_hidden_layers
         # Only the last draft has not been through the first E layers.
-        last = target.run_layers(target.model.embed_tokens(inputs[:, -1:]), cache, range(self.exit))
+        last = target.run_layers(target.embed(inputs[:, -1:]), cache, range(self.exit))
         h = target.run_layers(mx.concatenate([saved, last], axis=1), cache, range(self.exit, L))
         return target.head(h), ()
 

@@ -122,16 +122,16 @@ class Medusa(RowStates):
     kind = "medusa"
 
     def __init__(self, heads: MedusaHeads, target: Model, paths: Sequence[Sequence[int]] | None = None,
-                 budget: int | None = None):
+                 budget: int | None = None, chain: bool = False):
         super().__init__()
-        self.heads, self.target = heads, target
+        self.heads, self.target, self.chain = heads, target, chain
         self.paths = [list(p) for p in (tree.MC_SIM_7B_63 if paths is None and budget is None else paths or [])]
         self.budget = budget
         self.capture = (target.args.num_hidden_layers,)
         # per row: [H] at its last committed token, before the final norm (None until the prompt's come)
 
     def new_session(self) -> Medusa:
-        return Medusa(self.heads, self.target, self.paths or None, self.budget)
+        return Medusa(self.heads, self.target, self.paths or None, self.budget, self.chain)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         self.states[b] = None  # a one-token prompt brings no features: a plain round
@@ -147,7 +147,10 @@ class Medusa(RowStates):
             hidden = mx.stack([self.states[b] for b in rows])  # [R, H]
             logits = self.heads(self.target.model.norm(hidden))[..., : self.target.args.vocab_size]  # [R, K, V]
             for i, b in enumerate(rows):
-                drafts[b] = depth_tree(logits[i], ks[b], self.paths, self.budget, TOPK)
+                if self.chain:  # each head's most likely token (a target that verifies chains only)
+                    drafts[b] = Draft(mx.argmax(logits[i, : ks[b]], axis=-1).astype(mx.int32))
+                else:
+                    drafts[b] = depth_tree(logits[i], ks[b], self.paths, self.budget, TOPK)
         return drafts
 
 
@@ -163,8 +166,9 @@ def check_medusa_fits(heads: MedusaHeads, target: Model, what: str) -> None:
 def build(target: Model, o: Options) -> Medusa:
     heads, _ = load_medusa(o.source, o.revision)
     check_medusa_fits(heads, target, f"--drafter {o.spec}")
-    return Medusa(heads, target, o.tree_paths, o.tree_budget)
+    chain = not target.verifies_trees  # a hybrid target: the heads' top-1 chain, unless a tree is asked for
+    return Medusa(heads, target, o.tree_paths, o.tree_budget, chain and o.tree_paths is None and o.tree_budget is None)
 
 
 KINDS = (Kind("medusa", "Medusa heads on the target's last hidden state: a tree of candidates per round "
-              "(--tree, --tree-budget)", build, takes=("tree_paths", "tree_budget")),)
+              "(--tree, --tree-budget; the heads' top-1 chain on a target that verifies chains only)", build, takes=("tree_paths", "tree_budget")),)

@@ -50,15 +50,34 @@ from mlx_spec.sampling import SamplingParams
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 
 
+def gated_block(config: dict) -> nn.Module:
+    """Qwen3-Next's and Qwen3.5's MTP block: one full-attention layer of the model itself (gated
+    attention, partial rotary embeddings), mlx-lm's own class, built from the model's text config."""
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    from mlx_spec.models.mlxlm import mlx_lm_config
+
+    fields = mlx_lm_config(config)
+    if config["model_type"] == "qwen3_next":
+        args = qwen3_next.ModelArgs.from_dict(fields)
+        return qwen3_next.Qwen3NextDecoderLayer(args, layer_idx=args.full_attention_interval - 1)
+    args = qwen3_5.TextModelArgs.from_dict(fields)
+    return qwen3_5.DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
+
+
+# The MTP blocks of these model types are mlx-lm's layers (`gated_block`); the others are ours.
+GATED = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+
+
 class MTPModule(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RoPE, hidden_first: bool, has_head: bool):
+    def __init__(self, args: ModelArgs, block: nn.Module, hidden_first: bool, has_head: bool):
         super().__init__()
         H = args.hidden_size
         self.hidden_first = hidden_first
         self.enorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.hnorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = DecoderLayer(args, rope)
+        self.block = block
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if has_head:
             self.head = nn.Linear(H, args.vocab_size, bias=False)
@@ -68,7 +87,9 @@ class MTPModule(nn.Module):
         """Slots' hidden states and next-token embeddings `[B, S, H]` -> outputs `[B, S, H]` (before `norm`)."""
         h, e = self.hnorm(hidden), self.enorm(embedding)
         x = self.eh_proj(mx.concatenate([h, e] if self.hidden_first else [e, h], axis=-1))  # [B, S, 2H] -> H
-        return self.block(x, mask, cache, None)
+        if isinstance(self.block, DecoderLayer):
+            return self.block(x, mask, cache, None)
+        return self.block(x, mask, cache)  # mlx-lm's layer
 
     def logits(self, x: mx.array, target: Model) -> mx.array:
         """Outputs `[..., H]` -> logits `[..., V]`."""
@@ -82,7 +103,13 @@ class MTPNet(nn.Module):
 
     def __init__(self, config: dict, source: str = "config.json"):
         super().__init__()
-        self.args = args = parse_config(config, source)
+        gated = config.get("model_type") in GATED
+        if gated:
+            from mlx_spec.models.mlxlm import TargetArgs, mlx_lm_config
+
+            self.args = args = TargetArgs.of(mlx_lm_config(config), 1)
+        else:
+            self.args = args = parse_config(config, source)
         mtp = config.get("mtp") or {}
         self.layout = mtp.get("layout")
         if self.layout not in LAYOUTS:
@@ -90,9 +117,10 @@ class MTPNet(nn.Module):
         n = int(mtp.get("num_modules", 1))
         if n < 1:
             raise UserError(f"{source}: mtp.num_modules must be at least 1, got {n}")
-        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        rope = None if gated else RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
         self.layers = [
-            MTPModule(args, rope, bool(mtp.get("hidden_first", False)), bool(mtp.get("has_head", False)))
+            MTPModule(args, gated_block(config) if gated else DecoderLayer(args, rope),
+                      bool(mtp.get("hidden_first", False)), bool(mtp.get("has_head", False)))
             for _ in range(n)
         ]
 

@@ -24,11 +24,11 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlx_spec.cache import KVCache, make_cache
+from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import Kind
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.errors import UserError
-from mlx_spec.models.llama import Model, default_mask
+from mlx_spec.models.llama import Model
 from mlx_spec.policy import expected_tokens
 
 # Calibration tokens per prompt: the search's forwards cost grows with them,
@@ -47,14 +47,15 @@ class SkipView:
         self.kept = [i for i in range(target.args.num_hidden_layers) if i not in self.skip]
 
     def make_cache(self, rows: int = 1) -> list[KVCache]:
-        return make_cache(len(self.kept), rows)
+        full = self.target.make_cache(rows)
+        return [full[i] for i in self.kept]
 
     def __call__(self, tokens: mx.array, cache: Sequence[KVCache] | None = None) -> tuple[mx.array, tuple]:
         """`tokens` [B, S] -> (logits [B, S, V], no hidden states)."""
-        h = self.target.model.embed_tokens(tokens)  # [B, S, H]
-        mask = default_mask(tokens.shape[1], cache)
+        h = self.target.embed(tokens)  # [B, S, H]
+        masks = self.target.masks(tokens.shape[1], cache[0] if cache else None, range(self.args.num_hidden_layers))
         for j, i in enumerate(self.kept):
-            h = self.target.layers[i](h, mask, cache[j] if cache is not None else None, None)
+            h = self.target.layer(i, h, masks[i], cache[j] if cache is not None else None, None)
         return self.target.head(h), ()
 
 

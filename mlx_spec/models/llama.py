@@ -29,6 +29,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from mlx_spec.attention import TreeMask, tree_attention
 from mlx_spec.cache import KVCache, make_cache
@@ -169,6 +170,8 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
+    verifies_trees = True  # per-token positions and tree masks (a hybrid target's linear layers have none)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -186,6 +189,10 @@ class Model(nn.Module):
         for layer in self.layers:
             layer.compile()
 
+    def weights(self) -> dict[str, mx.array]:
+        """The parameters under their checkpoint names (a fine-tuned target is written with them)."""
+        return dict(tree_flatten(self.parameters()))
+
     def enable_grad_checkpoint(self) -> None:
         """Training: recompute each layer's activations in the backward pass."""
         self._grad_checkpoint = True
@@ -196,10 +203,26 @@ class Model(nn.Module):
     def run_layers(self, h: mx.array, cache: Sequence[KVCache], layers: range) -> mx.array:
         """Layers `layers` only, over `h` `[B, S, H]` (causal), each with its cache
         (LayerSkip drafts with the first ones and verifies with the rest)."""
-        mask = default_mask(h.shape[1], cache[layers[0]:], self.args.sliding_window)
-        for i in layers:
+        masks = self.masks(h.shape[1], cache[layers[0]], layers)
+        for i, mask in zip(layers, masks):
             h = self.layer(i, h, mask, cache[i], None)
         return h
+
+    def masks(self, S: int, first: KVCache | None, layers: range, tree=None,
+              positions: mx.array | None = None) -> list:
+        """Each of `layers`' masks over S new tokens: causal, from `first`, the cache of the first
+        of them (LayerSkip's first layers run ahead of the rest), or the `tree` mask given."""
+        window = self.args.sliding_window
+        if tree is None:
+            return [default_mask(S, [first] if first is not None else None, window)] * len(layers)
+        if window and (max(first.lengths) if first is not None else 0) + S > window:
+            raise UserError(f"a tree reaching past the sliding window ({window} tokens) of this {self.model_type} "
+                            "target: verify chains (no --tree, --tree-budget)")
+        return [tree] * len(layers)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """`[B, S]` -> `[B, S, H]`."""
+        return self.model.embed_tokens(tokens)
 
     def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:
         """Layer i over `h` `[B, S, H]`."""
@@ -229,20 +252,15 @@ class Model(nn.Module):
             raise ValueError(f"exit_layer must be in 1..{len(self.layers)}, got {exit_layer}")
         if any(not 0 <= i <= n_layers for i in capture):
             raise ValueError(f"capture indices must be in 0..{n_layers}, got {list(capture)}")
-        h = self.model.embed_tokens(tokens)  # [B, S, H]
-        window = getattr(self.args, "sliding_window", None)
-        if mask is None:
-            mask = default_mask(tokens.shape[1], cache, window)
-        elif window and (max(cache[0].lengths) if cache else 0) + tokens.shape[1] > window:
-            raise UserError(f"a tree reaching past the sliding window ({window} tokens) of this {self.model_type} "
-                            "target: verify chains (no --tree, --tree-budget)")
+        h = self.embed(tokens)  # [B, S, H]
+        masks = self.masks(tokens.shape[1], cache[0] if cache else None, range(n_layers), mask, positions)
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
         for i in range(n_layers):
             if checkpoint:
-                h = _checkpointed(self.layers[i], h, mask, positions)
+                h = _checkpointed(self, i, h, masks[i], positions)
             else:
-                h = self.layer(i, h, mask, cache[i] if cache is not None else None, positions)
+                h = self.layer(i, h, masks[i], cache[i] if cache is not None else None, positions)
             states[i + 1] = h
         return self.head(h), tuple(states[i] for i in capture)
 
@@ -260,11 +278,12 @@ def default_mask(S: int, cache: Sequence[KVCache] | None, window: int | None = N
     return mx.array((key <= query) & (key > query - window))[None, None]  # [1, 1, S, S]
 
 
-def _checkpointed(layer: DecoderLayer, h: mx.array, mask, positions) -> mx.array:
-    """Run `layer` without keeping its activations for the backward pass."""
+def _checkpointed(model: Model, i: int, h: mx.array, mask, positions) -> mx.array:
+    """Layer i of `model` without keeping its activations for the backward pass."""
+    layer = model.layers[i]
 
     def run(params: dict, h: mx.array) -> mx.array:
         layer.update(params)
-        return layer(h, mask, None, positions)
+        return model.layer(i, h, mask, None, positions)
 
     return mx.checkpoint(run)(layer.trainable_parameters(), h)

@@ -13,10 +13,12 @@ puts RoPE in `rope_parameters` and names the experts' count
 `num_local_experts`, which mlx-lm's argument classes miss (falling back to a
 RoPE base of 10000), so `mlx_lm_config` rewrites them first.
 
-Supported here: the families whose decoder is mlx-lm's standard one
-(`model.embed_tokens`, `model.layers[i](h, mask, cache)`, `model.norm`, an LM
-head or tied embeddings) and whose every layer attends to the whole context
-(`FAMILIES`), for chain drafters; trees and sliding windows are refused.
+Per family, what mlx-spec gives mlx-lm's modules beside the loop: each layer's
+mask (full, a sliding window, or none for a linear-attention layer), Gemma's
+embedding scale as transformers computes it, transformers' YaRN where mlx-lm
+rounds it, gpt-oss's experts as transformers stores them, and the tape that
+rolls a Gated DeltaNet layer back (`cache.RecurrentCache`). Chains only: trees
+are refused with the architecture named.
 """
 
 from __future__ import annotations
@@ -24,13 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import contextvars
+import re
+import types
+
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
 
-from mlx_spec.cache import KVCache
+from mlx_spec.attention import TreeMask
+from mlx_spec.cache import KVCache, RecurrentCache
 from mlx_spec.errors import UserError
-from mlx_spec.models.llama import Model as LlamaModel
+from mlx_spec.models.llama import Model as LlamaModel, default_mask
+from mlx_spec.models.rope import RoPE
 
 # model_type -> what it is; each checked against transformers' greedy output (tests/test_mlxlm_targets.py)
 FAMILIES = {
@@ -39,7 +48,21 @@ FAMILIES = {
     "mixtral": "Mixtral mixture of experts",
     "qwen2_moe": "Qwen2 / Qwen1.5 mixture of experts (with a shared expert)",
     "olmoe": "OLMoE mixture of experts",
+    "gpt_oss": "OpenAI gpt-oss (sliding and full layers, attention sinks, mixture of experts)",
+    "gemma3_text": "Gemma 3 text models (sliding and full layers)",
+    "qwen3_next": "Qwen3-Next (Gated DeltaNet and gated attention layers, mixture of experts)",
+    "qwen3_5": "Qwen3.5 / Qwen3.6 (Gated DeltaNet and gated attention layers; the text model of the published checkpoints)",
+    "qwen3_5_moe": "Qwen3.5 / Qwen3.6 mixture of experts (Qwen3.5-35B-A3B, ...)",
 }
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # linear-attention layers beside attention: chains only
+RECURRENT = "recurrent"  # a layer kind: linear attention, no mask, a RecurrentCache
+# The family's whole config names layers that mlx-lm builds from a period (`sliding_window_pattern`,
+# `full_attention_interval`): the layer type every period-th layer has.
+PERIODIC = {"gemma3_text": ("sliding_window_pattern", "full_attention"),
+            "qwen3_next": ("full_attention_interval", "full_attention"),
+            "qwen3_5": ("full_attention_interval", "full_attention"),
+            "qwen3_5_moe": ("full_attention_interval", "full_attention")}
+SCALED_EMBEDDING = ("gemma3_text",)  # embeddings times sqrt(hidden size)
 
 
 @dataclass
@@ -59,7 +82,16 @@ class TargetArgs:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
-    sliding_window: int | None = None  # (sliding-window configs are refused: their layers differ)
+    sliding_window: int | None = None  # (each layer's window is the wrapper's: `Model.kinds`)
+
+    @property
+    def extra(self) -> dict:
+        """The config a new drafter's layers copy (`train mtp`, `train mtp-heads`): a dense Llama
+        layer of this target's attention shape (mlx-spec's layers are not its experts or linear attention)."""
+        keys = ("hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings", "max_position_embeddings",
+                "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_theta", "rope_scaling")
+        return {"model_type": "llama", **{k: getattr(self, k) for k in keys}}
 
     @classmethod
     def of(cls, config: dict, layers: int) -> "TargetArgs":
@@ -75,18 +107,219 @@ class TargetArgs:
 
 
 def mlx_lm_config(config: dict) -> dict:
-    """`config` as mlx-lm's argument classes read it (see the module docstring)."""
+    """`config` as mlx-lm's argument classes read it (see the module docstring); a
+    `text_config` inside (Qwen3.5's published form) likewise."""
     out = dict(config)
-    rope = out.pop("rope_parameters", None)
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = mlx_lm_config({"model_type": out["model_type"], **out["text_config"]})
+    rope = out.get("rope_parameters")
     if isinstance(rope, dict):
+        if "full_attention" in rope:  # per layer type (Gemma 3): the local layers' base apart
+            out.setdefault("rope_local_base_freq", rope.get("sliding_attention", {}).get("rope_theta"))
+            rope = rope["full_attention"]
         rope = dict(rope)
         out.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
+        if "partial_rotary_factor" in rope:
+            out.setdefault("partial_rotary_factor", rope.pop("partial_rotary_factor"))
         kind = rope.pop("rope_type", rope.pop("type", "default"))
         if kind != "default" and out.get("rope_scaling") is None:
             out["rope_scaling"] = {"type": kind, "rope_type": kind, **rope}
     if "num_local_experts" in out:
         out.setdefault("num_experts", out["num_local_experts"])
+    period = PERIODIC.get(out.get("model_type"))
+    if period and isinstance(out.get("layer_types"), list):
+        field, kind = period
+        types_ = out["layer_types"]
+        every = next((p for p in range(1, len(types_) + 1)
+                      if all((t == kind) == ((i + 1) % p == 0) for i, t in enumerate(types_))), None)
+        if every is None:
+            raise UserError(f"config.json: layer_types {types_}: mlx-lm builds {out['model_type']} with a "
+                            f"'{kind}' layer every {field} layers, which these are not")
+        out[field] = every
     return out
+
+
+def _layer_kinds(text: nn.Module, config: dict) -> list:
+    """Per layer: None (full attention), the window of a sliding-window layer, or RECURRENT,
+    as mlx-lm's modules compute them (each module says, else the config's `layer_types`)."""
+    window = config.get("sliding_window")
+    types_ = getattr(text.model, "layer_types", None) or config.get("layer_types")
+    kinds = []
+    for i, layer in enumerate(text.model.layers):
+        if getattr(layer, "is_linear", False):
+            kinds.append(RECURRENT)
+        elif hasattr(getattr(layer, "self_attn", None), "is_sliding"):
+            kinds.append(window if layer.self_attn.is_sliding else None)
+        elif types_:
+            kinds.append(window if types_[i] == "sliding_attention" else None)
+        else:  # a Mistral-style config: every layer slides, where it says so
+            kinds.append(window if config.get("use_sliding_window", True) else None)
+    return kinds
+
+
+# A tree's per-token positions `[B, S]` while a layer runs over it (set around one layer's call).
+_POSITIONS: contextvars.ContextVar[mx.array | None] = contextvars.ContextVar("positions", default=None)
+
+
+class _TreeRoPE:
+    """An mlx-lm attention layer's RoPE, rotating each token to its own position while a tree is
+    verified (tree nodes share depths, not consecutive offsets); else as it is."""
+
+    def __init__(self, rope):
+        self.rope = rope
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        positions = _POSITIONS.get()
+        if positions is None:
+            return self.rope(x, offset=offset)
+        B, H, S, D = x.shape  # one row per token, each with its own offset
+        rows = x.transpose(0, 2, 1, 3).reshape(B * S, H, 1, D)
+        rotated = self.rope(rows, offset=mx.broadcast_to(positions, (B, S)).reshape(B * S))
+        return rotated.reshape(B, S, H, D).transpose(0, 2, 1, 3)
+
+
+def _window_start(cache: KVCache | None, window) -> int:
+    """The first cache slot any query of the next forward sees in a sliding layer of `window`
+    (0: all of them); the slots before it are left out of attention altogether."""
+    if cache is None or not isinstance(window, int) or not cache.rows:
+        return 0
+    return max(0, min(cache.lengths) - window + 1)
+
+
+class _Window:
+    """A sliding layer's view of its cache: the keys and values from slot `lo` on (what its
+    queries can see), so attention costs the window, not the whole text."""
+
+    def __init__(self, cache: KVCache, lo: int):
+        self.cache, self.lo = cache, lo
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        keys, values = self.cache.update_and_fetch(k, v)
+        return keys[..., self.lo:, :], values[..., self.lo:, :]
+
+
+def _tree_mask(tree, window: int | None, cache: KVCache | None, positions: mx.array) -> mx.array:
+    """A tree's mask (`TreeMask` or `[B, 1, S, L + S]`) as an array; in a sliding layer, keys
+    only within `window` positions of each query (a cached key's position is its slot)."""
+    dense = tree.dense if isinstance(tree, TreeMask) else tree
+    if window is None:
+        return dense
+    starts = np.array(cache.lengths if cache is not None else [0])[:, None]  # [B, 1]
+    pos = np.broadcast_to(np.array(positions), (len(starts), np.array(positions).shape[-1]))  # [B, S]
+    slots = np.arange(dense.shape[-1])[None]  # [1, L + S]
+    within = np.clip(slots - starts, 0, pos.shape[1] - 1)
+    key = np.where(slots < starts, slots, np.take_along_axis(pos, within, axis=1))  # [B, L + S] key positions
+    near = key[:, None, :] > pos[:, :, None] - window  # [B, S, L + S]
+    return dense & mx.array(near[:, None])
+
+
+# The linear-attention layer whose forward is being taped (set around one layer's call).
+_TAPE: contextvars.ContextVar[RecurrentCache | None] = contextvars.ContextVar("tape", default=None)
+
+
+def _taped(recurrence):
+    """mlx-lm's `gated_delta_update`, handing the cache being taped a replay of it."""
+
+    def update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
+        cache = _TAPE.get()
+        if cache is not None:
+            def replay(kept: list[int]) -> mx.array | None:
+                n = max(kept)
+                if n == 0:
+                    return state
+                rows = None if min(kept) == n else mx.arange(n)[None] < mx.array(kept)[:, None]  # [B, n]
+                return recurrence(q[:, :n], k[:, :n], v[:, :n], a[:, :n], b[:, :n], A_log, dt_bias, state, rows, **kw)[1]
+            cache.record_recurrence(replay)
+        return recurrence(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
+
+    return update
+
+
+class _TapedConv(nn.Conv1d):
+    """A Gated DeltaNet's convolution, handing its input to the cache being taped."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        cache = _TAPE.get()
+        if cache is not None:
+            cache.record_conv(x)
+        return super().__call__(x)
+
+
+def _tape(layer: nn.Module) -> None:
+    """Give a linear-attention module (mlx-lm's `GatedDeltaNet`) its tape: the same forward, as
+    mlx-lm writes it, with its recurrence call taped (its own function, with `gated_delta_update`
+    bound to the taped one; mlx-lm's module is untouched) and its convolution's input recorded."""
+    cls = type(layer)
+    call = cls.__call__
+    scope = dict(call.__globals__, gated_delta_update=_taped(call.__globals__["gated_delta_update"]))
+    taped = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
+    layer.__class__ = type(cls.__name__, (cls,), {"__call__": taped})
+    layer.conv1d.__class__ = _TapedConv
+
+
+def _yarn_untruncated(text: nn.Module, config: dict) -> None:
+    """mlx-lm's YaRN rounds the ramp's ends, as transformers does only with `truncate: true`;
+    gpt-oss says false: its attention layers get transformers' frequencies."""
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") != "yarn" or scaling.get("truncate", True):
+        return
+    for layer in text.model.layers:
+        _set_rope(layer.self_attn, RoPE(layer.self_attn.head_dim, config["rope_theta"], scaling))
+
+
+def _set_rope(attn: nn.Module, rope) -> None:
+    """Replace an attention layer's RoPE (a module mlx-lm keeps as a child) by `rope`."""
+    if "rope" in attn:
+        del attn["rope"]
+    attn.rope = rope
+
+
+def _gpt_oss_experts(weights: dict) -> dict:
+    """transformers stores gpt-oss's experts as matmul operands, `experts.gate_up_proj` `[E, H, 2I]`
+    and `experts.down_proj` `[E, I, H]`; mlx-lm's sanitize reads OpenAI's `[E, out, in]` weights."""
+    return {(k + ".weight" if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else k):
+            (v.swapaxes(-1, -2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+            for k, v in weights.items()}
+
+
+EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def stack_experts(weights: dict) -> dict:
+    """A mixture of experts stored one tensor per expert (`mlp.experts.{e}.up_proj.weight`, as
+    transformers 5 saves Qwen3.5-MoE) stacked as mlx-lm's layers hold them (`mlp.switch_mlp.up_proj.weight`
+    `[E, out, in]`), as mlx-lm's own sanitize does for the families that it reads so."""
+    experts: dict[tuple[str, str], dict[int, mx.array]] = {}
+    out = {}
+    for name, value in weights.items():
+        match = EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = value
+        else:
+            experts.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = value
+    for (prefix, proj), by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise UserError(f"experts of {prefix}: numbered {sorted(by_index)}, not 0..{len(by_index) - 1}")
+        out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
+BEFORE_SANITIZE = {"gpt_oss": _gpt_oss_experts, "qwen3_5_moe": stack_experts}
+
+
+def _classes(config: dict):
+    """mlx-lm's classes for `config`, reading the weights as `BEFORE_SANITIZE` says first."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    fix = BEFORE_SANITIZE.get(config.get("model_type"))
+    if fix is None:
+        return model_class, args_class
+    return type(model_class.__name__, (model_class,), {"sanitize": lambda self, w: model_class.sanitize(self, fix(w))}), args_class
 
 
 class Model(LlamaModel):
@@ -97,27 +330,100 @@ class Model(LlamaModel):
         nn.Module.__init__(self)
         self.inner = inner
         self.model_type = config["model_type"]
-        self.args = TargetArgs.of(mlx_lm_config(config), len(inner.model.layers))
+        text = self._text
+        shape = mlx_lm_config(config)
+        shape = {**shape.get("text_config", {}), **{k: v for k, v in shape.items() if k != "text_config"}} \
+            if "text_config" in shape else shape
+        self.args = TargetArgs.of(shape, len(text.model.layers))
+        self.args.tie_word_embeddings = "lm_head" not in text
+        self.kinds = _layer_kinds(text, shape)
+        _yarn_untruncated(text, shape)
+        for layer, kind in zip(text.model.layers, self.kinds):
+            if kind == RECURRENT:
+                _tape(layer.linear_attn)
+            else:
+                _set_rope(layer.self_attn, _TreeRoPE(layer.self_attn.rope))
+        self._embed_scale = shape["hidden_size"] ** 0.5 if self.model_type in SCALED_EMBEDDING else None
+
+    @property
+    def verifies_trees(self) -> bool:
+        return RECURRENT not in self.kinds
+
+    @property
+    def _text(self) -> nn.Module:
+        """The language model (Qwen3.5's published checkpoints hold it beside a vision tower)."""
+        return self.inner["language_model"] if "language_model" in self.inner else self.inner
 
     @property
     def model(self) -> nn.Module:
-        return self.inner.model
+        return self._text.model
 
     @property
     def lm_head(self) -> nn.Module:
-        return self.inner.model.embed_tokens if self.args.tie_word_embeddings else self.inner.lm_head
+        text = self._text
+        return text.lm_head if "lm_head" in text else text.model.embed_tokens
 
     @property
     def embed_tokens(self) -> nn.Embedding:
-        return self.inner.model.embed_tokens
+        return self.model.embed_tokens
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        h = self.model.embed_tokens(tokens)
+        if self._embed_scale is None:
+            return h
+        return h * mx.array(self._embed_scale, dtype=h.dtype)  # as transformers: sqrt(H) in the weights' dtype
 
     def compile(self) -> None:
         """mlx-lm's layers run as they are."""
 
+    def weights(self) -> dict[str, mx.array]:
+        """mlx-lm's parameters, under the names its loader reads back (as mlx-lm's `sanitize` left them)."""
+        return dict(tree_flatten(self.inner.parameters()))
+
+    def make_cache(self, rows: int = 1) -> list:
+        return [RecurrentCache(rows) if kind == RECURRENT else KVCache(rows) for kind in self.kinds]
+
+    def masks(self, S: int, first, layers: range, tree=None, positions: mx.array | None = None) -> list:
+        """Per layer of `layers`: its causal or sliding-window mask, none for a linear-attention
+        layer; with a `tree`, the tree's mask (within each sliding layer's window)."""
+        if tree is not None and not self.verifies_trees:
+            raise UserError(f"a {self.model_type} target verifies chains only (its linear-attention layers "
+                            "roll back a chain): give no --tree or --tree-budget")
+        caches = [first] if first is not None else None
+        made: dict = {}
+        out = []
+        for i in layers:
+            kind = self.kinds[i]
+            if kind != RECURRENT and kind not in made:
+                mask = default_mask(S, caches, kind) if tree is None else _tree_mask(tree, kind, first, positions)
+                lo = _window_start(first, kind)
+                if lo and tree is None and S == 1 and first.aligned:
+                    mask = None  # one query, the window's keys alone: all of them
+                elif lo:
+                    mask = mask[..., lo:]
+                made[kind] = mask
+            out.append(None if kind == RECURRENT else made[kind])
+        return out
+
     def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:
-        if positions is not None:  # a tree: mlx-lm's attention takes no per-token positions
-            raise UserError(f"a {self.model_type} target verifies chains only: give no --tree or --tree-budget")
-        return self.layers[i](h, mask, cache)
+        if not isinstance(cache, RecurrentCache):
+            lo = _window_start(cache, self.kinds[i])
+            view = _Window(cache, lo) if lo else cache
+            if positions is None:
+                return self.layers[i](h, mask, view)
+            token = _POSITIONS.set(positions)  # the attention's RoPE rotates each token to its own position
+            try:
+                return self.layers[i](h, mask, view)
+            finally:
+                _POSITIONS.reset(token)
+        S = h.shape[1]
+        token = _TAPE.set(cache if cache.begin(S) else None)  # the layer's hooks hand `cache` its tape
+        try:
+            out = self.layers[i](h, None, cache.arrays)
+        finally:
+            _TAPE.reset(token)
+        cache.end(S)
+        return out
 
 
 def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
@@ -128,11 +434,11 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UserError(f"{path / 'config.json'}: model_type '{model_type}' is not supported")
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        raise UserError(f"{path / 'config.json'}: sliding_window {config['sliding_window']}: sliding-window "
-                        f"layers are not supported for {model_type}")
+    fields = mlx_lm_config(config)
+    if fields.get("final_logit_softcapping"):
+        raise UserError(f"{path / 'config.json'}: final_logit_softcapping is not supported for {model_type}")
     try:
-        inner, _ = mlx_lm_load(path, model_config=mlx_lm_config(config))
+        inner, _ = mlx_lm_load(path, model_config=fields, get_model_classes=_classes)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
         raise UserError(f"{path}: mlx-lm cannot load it as {model_type} ({e})".splitlines()[0]) from None
     if dtype is not None:

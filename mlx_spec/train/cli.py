@@ -330,9 +330,6 @@ def _layer_list(flag: str, value: str, count: int) -> list[int]:
 
 
 def run_dflash(args: argparse.Namespace) -> int:
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
     from mlx_spec.drafters.dflash import DFlashNet, dflash_config, save_dflash
     from mlx_spec.train.dflash import AnchoredBatches, make_objective
     from mlx_spec.train.trainer import Trainer
@@ -351,11 +348,8 @@ def run_dflash(args: argparse.Namespace) -> int:
     per_row = args.blocks_per_row or max(1, args.seq_len // args.block_size)
     config = dflash_config(target, args.num_layers, args.block_size, mask_id, taps, args.intermediate_size)
     net = DFlashNet(config)
-    if args.intermediate_size in (None, target.args.intermediate_size):
-        # Start from target layers spread over its depth: the same shapes, a useful start.
-        for i, layer in enumerate(net.layers):
-            source = target.layers[round(i * (L - 1) / max(args.num_layers - 1, 1))]
-            layer.update(tree_map(mx.array, source.parameters()))  # copies: the target stays apart
+    for i, layer in enumerate(net.layers):  # from target layers spread over its depth: a useful start
+        _start_from(layer, target.layers[round(i * (L - 1) / max(args.num_layers - 1, 1))])
     trainer = Trainer(
         net, make_objective(target, args.loss_decay), AnchoredBatches(batches, args.block_size, per_row, args.seed),
         tconfig, valid=AnchoredBatches(valid_batches, args.block_size, per_row, args.seed + 1),
@@ -389,20 +383,21 @@ def run_layerskip(args: argparse.Namespace) -> int:
     )
     result = trainer.fit(resume=args.resume)
     if trainer.group.rank() == 0:
-        from mlx.utils import tree_flatten
-
-        write_model_files(args.out, read_json(path / "config.json"), dict(tree_flatten(model.parameters())), path)
+        write_model_files(args.out, read_json(path / "config.json"), model.weights(), path)
         print(json.dumps({"out": str(args.out), **result}))
     return 0
 
 
-def _copies_of_last_layer(target):
-    """The target's last layer's parameters, copied (a new drafter block starts
-    from them; copies keep the frozen target apart from what trains)."""
+def _start_from(block, layer) -> None:
+    """A new drafter block starts as a copy of the target's `layer` where it holds the same
+    parameters (names and shapes: not an mlx-lm target's experts or linear attention; copies keep
+    the frozen target apart from what trains); else from its random initialisation."""
     import mlx.core as mx
-    from mlx.utils import tree_map
+    from mlx.utils import tree_flatten, tree_map
 
-    return tree_map(mx.array, target.layers[-1].parameters())
+    mine = {k: v.shape for k, v in tree_flatten(block.parameters())}
+    if all(mine.get(k) == v.shape for k, v in tree_flatten(layer.parameters())):
+        block.update(tree_map(mx.array, layer.parameters()))
 
 
 def _train_blocks_on_target(args: argparse.Namespace, make_net, make_objective) -> int:
@@ -421,7 +416,7 @@ def _train_blocks_on_target(args: argparse.Namespace, make_net, make_objective) 
     batches, valid_batches = data_batches(args, load_tokenizer(path))
     net, config, blocks = make_net(target)
     for block in blocks:
-        block.update(_copies_of_last_layer(target))
+        _start_from(block, target.layers[-1])
     trainer = Trainer(net, make_objective(target), batches, tconfig, valid=valid_batches)
     result = trainer.fit(resume=args.resume)
     if trainer.group.rank() == 0:

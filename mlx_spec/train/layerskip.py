@@ -36,11 +36,12 @@ def layerskip_loss(model: Model, tokens: mx.array, mask: mx.array, key: mx.array
                    dropout: float, exit_scale: float) -> mx.array:
     inputs, labels, m = tokens[:, :-1], tokens[:, 1:], mask[:, 1:]
     L = len(model.layers)
-    h = model.model.embed_tokens(inputs)
+    h = model.embed(inputs)
+    masks = model.masks(inputs.shape[1], None, range(L))
     keys = mx.random.split(key, L) if key is not None and dropout > 0 else None
     total, weights = mx.array(0.0), 0.0
-    for l, layer in enumerate(model.layers):
-        out = layer(h, "causal", None, None)
+    for l in range(L):
+        out = model.layer(l, h, masks[l], None, None)
         if keys is not None and l > 0:
             keep = mx.random.uniform(shape=(h.shape[0], 1, 1), key=keys[l]) >= dropout * l / (L - 1)
             out = mx.where(keep, out, h)
