@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlx_spec.weights import read_safetensors_file
 from mlx_spec.errors import UserError
-from mlx_spec.drafters.mtp import GATED
+from mlx_spec.drafters.mtp import MLX_LM_BLOCKS
 from mlx_spec.models.mlxlm import stack_experts
 from mlx_spec.files import write_model_files
 
@@ -46,9 +46,10 @@ PATTERNS = {
 }
 BLOCK = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn|mlp)\.")
 # Architectures whose MTP block is one of our decoder layers.
-# (Qwen3-Next's and Qwen3.5's are their own full-attention layers, with gated attention: mlx-lm's.)
+# (Qwen3-Next's, Qwen3.5's and DeepSeek-V3's are layers of the model itself: mlx-lm's, `MLX_LM_BLOCKS`.)
 BLOCK_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mimo": "qwen2",
-               "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5"}
+               "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+               "deepseek_v3": "deepseek_v3"}
 
 
 def detect_layout(names: list[str], target_config: dict) -> str | None:
@@ -82,13 +83,14 @@ def _module_key(layout: str, name: str, L: int) -> tuple[int, str] | None:
     return int(match.group(1)), match.group(2)
 
 
-def _rename(layout: str, k: int, rest: str, source: str) -> str | None:
+def _rename(layout: str, k: int, rest: str, source: str, experts: bool) -> str | None:
+    """`experts`: the block is mlx-lm's layer, which may be a mixture of experts."""
     renames = PATTERNS[layout][1]
     if rest in renames:
         new = renames[rest]
         return None if new is None else f"layers.{k}.{new}"
     if BLOCK.match(rest):
-        if layout != "qwen3_next" and rest.startswith("mlp.") and (
+        if not experts and rest.startswith("mlp.") and (
                 rest.startswith(("mlp.experts.", "mlp.shared_expert")) or rest == "mlp.gate.weight"):
             raise UserError(f"{source}: tensor '{rest}' of MTP module {k} is a mixture-of-experts block; only dense MTP blocks are supported")
         if rest.endswith("weight_scale_inv"):
@@ -114,6 +116,7 @@ def read_mtp(source_dir: Path, target_config: dict) -> tuple[str, dict[str, mx.a
     if layout is None:
         raise UserError(f"{source_dir}: no MTP tensors (DeepSeek model.layers.L.eh_proj, MiMo model.mtp_layers, Qwen3-Next mtp.*)")
     L = int((target_config.get("text_config") or target_config)["num_hidden_layers"])
+    block = BLOCK_TYPES.get(target_config.get("model_type"))
     keys = {name: key for name in weight_map if (key := _module_key(layout, name, L)) is not None}
     shards: dict[str, dict[str, mx.array]] = {}
     weights: dict[str, mx.array] = {}
@@ -123,14 +126,36 @@ def read_mtp(source_dir: Path, target_config: dict) -> tuple[str, dict[str, mx.a
             shards[shard] = read_safetensors_file(source_dir / shard)
         if name not in shards[shard]:
             raise UserError(f"{index}: lists '{name}' in {shard}, which does not hold it")
-        new = _rename(layout, k, rest, f"{source_dir / shard}: '{name}'")
+        new = _rename(layout, k, rest, f"{source_dir / shard}: '{name}'", block in MLX_LM_BLOCKS)
         if new is None:
             continue
         value = shards[shard][name]
         if layout == "qwen3_next" and new.endswith("norm.weight"):
             value = value + 1  # zero-centred RMSNorm -> plain
         weights[new] = value
-    return layout, stack_experts(weights)
+    weights = stack_experts(weights)
+    if block == "deepseek_v3":
+        weights = _as_mlx_lm_deepseek(weights, target_config)
+    return layout, weights
+
+
+def _as_mlx_lm_deepseek(weights: dict[str, mx.array], target_config: dict) -> dict[str, mx.array]:
+    """DeepSeek-V3 MTP blocks as mlx-lm's layer holds them: each module's block put through mlx-lm's own
+    `sanitize` as a one-layer model's (it splits the latent attention's `kv_b_proj`)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models import deepseek_v3
+
+    from mlx_spec.models.mlxlm import mlx_lm_config
+
+    args = deepseek_v3.ModelArgs.from_dict({**mlx_lm_config(target_config), "num_hidden_layers": 1})
+    out = {k: v for k, v in weights.items() if ".block." not in k}
+    for k in sorted({name.split(".")[1] for name in weights if ".block." in name}):
+        inside = f"layers.{k}.block."
+        block = {"model.layers.0." + n[len(inside):]: v for n, v in weights.items() if n.startswith(inside)}
+        block = deepseek_v3.Model.sanitize(SimpleNamespace(args=args), block)
+        out.update({inside + n[len("model.layers.0."):]: v for n, v in block.items()})
+    return out
 
 
 def mtp_config(layout: str, weights: dict[str, mx.array], target_config: dict) -> dict:
@@ -148,7 +173,7 @@ def mtp_config(layout: str, weights: dict[str, mx.array], target_config: dict) -
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     q = weights.get("layers.0.block.self_attn.q_proj.weight")
-    if q is not None and q.shape[0] == 2 * heads * head_dim and config["model_type"] not in GATED:
+    if q is not None and q.shape[0] == 2 * heads * head_dim and config["model_type"] not in MLX_LM_BLOCKS:
         raise UserError("config.json: the MTP block uses gated attention (q_proj gives queries and gates); not supported")
     config["mtp"] = {"layout": layout, "num_modules": n, "hidden_first": layout == "mimo",
                      "has_head": "layers.0.head.weight" in weights}

@@ -24,6 +24,9 @@ tests/fixtures/mlxlm_reference/
               the reference is the same model's text-only greedy tokens
   qwen3_5_moe/ Qwen3_5MoeForConditionalGeneration likewise (Qwen3.5-35B-A3B's form): experts (as
               transformers 5 writes them, one tensor each) and a shared expert, in the MTP layer too
+  deepseek_v3/ DeepseekV3ForCausalLM: multi-head latent attention (q and kv LoRA ranks, interleaved
+              RoPE on its rope part), a dense first layer, then routed and shared experts; its MTP
+              module as DeepSeek-V3 ships it, layer `model.layers.2.*` (a mixture-of-experts layer)
   mimo/       Xiaomi MiMo as its checkpoints are laid out: `"model_type": "mimo"`, a Qwen2
               model (q/k/v biases) with `num_nextn_predict_layers` 1 and its MTP module as
               `model.mtp_layers.0.*` (research/checkpoint-formats.md 5.2) beside the model's
@@ -75,6 +78,11 @@ CASES = {
                                                                             "rope_theta": 1e6}})),
     "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=40,
                                       shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2, **LINEAR)),
+    "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
+                                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                        head_dim=8)),
     "olmoe": ("olmoe", dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, eos_token_id=2,
                             rope_theta=10000.0)),
 }
@@ -118,20 +126,32 @@ def mtp_layer(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def mtp_module(weights: dict[str, torch.Tensor], prefix: str, seed: int) -> dict[str, torch.Tensor]:
-    """Qwen3.5's `mtp.*`: the norms and projection before, and one full-attention layer shaped
-    like the model's own (its last layer, `prefix`), with zero-centred norms as Qwen3.5 stores them."""
+def mtp_module(weights: dict[str, torch.Tensor], layout: str, prefix: str, seed: int) -> dict[str, torch.Tensor]:
+    """One MTP module: the norms and projection before, and one decoder layer shaped like the
+    model's own layer `prefix` (research/checkpoint-formats.md 5.1, 5.3). Qwen3.5's `mtp.*` (a
+    full-attention layer, zero-centred norms as Qwen3.5 stores them); DeepSeek-V3's layer
+    `model.layers.{L}.*` (a mixture-of-experts layer, its own `shared_head` and copy of the embedding)."""
     g = torch.Generator().manual_seed(seed)
     H = weights[f"{prefix}.input_layernorm.weight"].shape[0]
-    shapes = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
-              "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
-    shapes.update({"mtp.layers.0." + k[len(prefix) + 1:]: tuple(v.shape) for k, v in weights.items() if k.startswith(prefix + ".")})
+    if layout == "qwen3_5":
+        head, block = "mtp.", "mtp.layers.0."
+        shapes = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
+                  "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
+    else:
+        L = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("model.layers."))
+        head = block = f"model.layers.{L}."
+        V = weights["model.embed_tokens.weight"].shape[0]
+        shapes = {head + "enorm.weight": (H,), head + "hnorm.weight": (H,), head + "eh_proj.weight": (H, 2 * H),
+                  head + "shared_head.norm.weight": (H,), head + "shared_head.head.weight": (V, H)}
+    shapes.update({block + k[len(prefix) + 1:]: tuple(v.shape) for k, v in weights.items() if k.startswith(prefix + ".")})
     out = {}
     for name, shape in shapes.items():
-        if "norm" in name:
-            out[name] = 0.1 * torch.randn(shape, generator=g)  # zero-centred: the scale is 1 + w
+        if "norm" in name:  # Qwen3.5's zero-centred: the scale is 1 + w
+            out[name] = (0.0 if layout == "qwen3_5" else 1.0) + 0.1 * torch.randn(shape, generator=g)
         else:
             out[name] = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+    if layout == "deepseek_v3":
+        out[head + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
     return out
 
 
@@ -169,12 +189,18 @@ def main() -> None:
             weights = safetensors.torch.load_file(out / "model.safetensors")
             weights.update(mtp_layer(config, seed=7))
             safetensors.torch.save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-        if name in ("qwen3_5", "qwen3_5_moe"):
+        if name in ("qwen3_5", "qwen3_5_moe", "deepseek_v3"):
             weights = safetensors.torch.load_file(out / "model.safetensors")
-            weights.update(mtp_module(weights, "model.language_model.layers.3", seed=11))
+            if name == "deepseek_v3":
+                weights.update(mtp_module(weights, "deepseek_v3", "model.layers.1", seed=13))
+            else:
+                weights.update(mtp_module(weights, "qwen3_5", "model.language_model.layers.3", seed=11))
             safetensors.torch.save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
             config = json.loads((out / "config.json").read_text())
-            config["text_config"].update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+            if name == "deepseek_v3":
+                config["num_nextn_predict_layers"] = 1
+            else:
+                config["text_config"].update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
             (out / "config.json").write_text(json.dumps(config, indent=2))
         np.savez_compressed(out / "reference.npz", prompt=prompt[0].astype(np.int32),
                             greedy=ids[0, prompt.shape[1]:].numpy().astype(np.int32), logits=logits)

@@ -51,7 +51,7 @@ def test_doctor_reports_backend_and_blas():
         tree = "tree attn metal kernel; Metal kernel: passed its self-check"
     assert tree in out.stdout
     assert "targets   llama, mistral, qwen2, qwen3: every drafter, chains and trees" in out.stdout
-    assert "qwen3_moe, mimo, mixtral, qwen2_moe, olmoe, gpt_oss, gemma3_text: every drafter, chains and trees (mlx-lm's" in out.stdout
+    assert "qwen3_moe, mimo, mixtral, qwen2_moe, olmoe, gpt_oss, gemma3_text, deepseek_v3: every drafter, chains and trees" in out.stdout
     assert "qwen3_next, qwen3_5, qwen3_5_moe: every drafter, chains (linear-attention layers" in out.stdout
     if sys.platform.startswith("linux"):
         assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread

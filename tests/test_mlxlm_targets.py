@@ -29,7 +29,7 @@ from test_speculative import resample_from_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mlxlm_reference"
 FAMILIES = ("qwen3_moe", "mimo", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "gemma3_text", "qwen3_next", "qwen3_5",
-            "qwen3_5_moe")
+            "qwen3_5_moe", "deepseek_v3")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 GREEDY = SamplingParams()
 
@@ -136,7 +136,7 @@ def test_chain_drafters_are_greedy_identical(family, kind):
     assert sum(len(e.drafted) for e in events) > 0
 
 
-@pytest.mark.parametrize("name", ["mimo", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["mimo", "qwen3_5", "qwen3_5_moe", "deepseek_v3"])
 def test_a_checkpoint_drafts_with_its_own_mtp_modules(name):
     """`--drafter mtp` alone on a MiMo checkpoint (`model.mtp_layers.*`, model_type mimo) and on
     Qwen3.5 as published (`mtp.*`: its block a gated full-attention layer, mlx-lm's)."""

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, draw_rows, padded
@@ -50,14 +51,18 @@ from mlx_spec.sampling import SamplingParams
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 
 
-def gated_block(config: dict) -> nn.Module:
-    """Qwen3-Next's and Qwen3.5's MTP block: one full-attention layer of the model itself (gated
-    attention, partial rotary embeddings), mlx-lm's own class, built from the model's text config."""
-    from mlx_lm.models import qwen3_5, qwen3_next
+def mlx_lm_block(config: dict) -> nn.Module:
+    """The MTP block of the families whose block is a layer of the model itself, mlx-lm's own class,
+    built from the model's (text) config: Qwen3-Next's and Qwen3.5's full-attention layer (gated
+    attention, partial rotary embeddings), DeepSeek-V3's mixture-of-experts layer (latent attention)."""
+    from mlx_lm.models import deepseek_v3, qwen3_5, qwen3_next
 
     from mlx_spec.models.mlxlm import mlx_lm_config
 
     fields = mlx_lm_config(config)
+    if config["model_type"] == "deepseek_v3":
+        args = deepseek_v3.ModelArgs.from_dict(fields)
+        return deepseek_v3.DeepseekV3DecoderLayer(args, layer_idx=args.first_k_dense_replace)
     if config["model_type"] == "qwen3_next":
         args = qwen3_next.ModelArgs.from_dict(fields)
         return qwen3_next.Qwen3NextDecoderLayer(args, layer_idx=args.full_attention_interval - 1)
@@ -65,8 +70,8 @@ def gated_block(config: dict) -> nn.Module:
     return qwen3_5.DecoderLayer(args, layer_idx=args.full_attention_interval - 1)
 
 
-# The MTP blocks of these model types are mlx-lm's layers (`gated_block`); the others are ours.
-GATED = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+# The MTP blocks of these model types are mlx-lm's layers (`mlx_lm_block`); the others are ours.
+MLX_LM_BLOCKS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "deepseek_v3")
 
 
 class MTPModule(nn.Module):
@@ -89,7 +94,10 @@ class MTPModule(nn.Module):
         x = self.eh_proj(mx.concatenate([h, e] if self.hidden_first else [e, h], axis=-1))  # [B, S, 2H] -> H
         if isinstance(self.block, DecoderLayer):
             return self.block(x, mask, cache, None)
-        return self.block(x, mask, cache)  # mlx-lm's layer
+        if isinstance(mask, str):  # mlx-lm's layer: an array (DeepSeek's attention applies it itself)
+            mask = cache.make_mask(x.shape[1], return_array=True) if cache is not None else \
+                mx.array(np.tril(np.ones((x.shape[1],) * 2, dtype=bool)))
+        return self.block(x, mask, cache)
 
     def logits(self, x: mx.array, target: Model) -> mx.array:
         """Outputs `[..., H]` -> logits `[..., V]`."""
@@ -103,7 +111,7 @@ class MTPNet(nn.Module):
 
     def __init__(self, config: dict, source: str = "config.json"):
         super().__init__()
-        gated = config.get("model_type") in GATED
+        gated = config.get("model_type") in MLX_LM_BLOCKS
         if gated:
             from mlx_spec.models.mlxlm import TargetArgs, mlx_lm_config
 
@@ -119,7 +127,7 @@ class MTPNet(nn.Module):
             raise UserError(f"{source}: mtp.num_modules must be at least 1, got {n}")
         rope = None if gated else RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
         self.layers = [
-            MTPModule(args, gated_block(config) if gated else DecoderLayer(args, rope),
+            MTPModule(args, mlx_lm_block(config) if gated else DecoderLayer(args, rope),
                       bool(mtp.get("hidden_first", False)), bool(mtp.get("has_head", False)))
             for _ in range(n)
         ]

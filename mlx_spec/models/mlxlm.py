@@ -53,6 +53,7 @@ FAMILIES = {
     "qwen3_next": "Qwen3-Next (Gated DeltaNet and gated attention layers, mixture of experts)",
     "qwen3_5": "Qwen3.5 / Qwen3.6 (Gated DeltaNet and gated attention layers; the text model of the published checkpoints)",
     "qwen3_5_moe": "Qwen3.5 / Qwen3.6 mixture of experts (Qwen3.5-35B-A3B, ...)",
+    "deepseek_v3": "DeepSeek-V3 / R1 (multi-head latent attention, mixture of experts)",
 }
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # linear-attention layers beside attention: chains only
 RECURRENT = "recurrent"  # a layer kind: linear attention, no mask, a RecurrentCache
@@ -63,6 +64,7 @@ PERIODIC = {"gemma3_text": ("sliding_window_pattern", "full_attention"),
             "qwen3_5": ("full_attention_interval", "full_attention"),
             "qwen3_5_moe": ("full_attention_interval", "full_attention")}
 SCALED_EMBEDDING = ("gemma3_text",)  # embeddings times sqrt(hidden size)
+ARRAY_MASKS = ("deepseek_v3",)  # attention that applies the mask itself: a boolean array, never "causal"
 
 
 @dataclass
@@ -178,6 +180,11 @@ class _TreeRoPE:
         return rotated.reshape(B, S, H, D).transpose(0, 2, 1, 3)
 
 
+def _causal(S: int) -> mx.array:
+    """`[S, S]`, True on and below the diagonal."""
+    return mx.array(np.tril(np.ones((S, S), dtype=bool)))
+
+
 def _window_start(cache: KVCache | None, window) -> int:
     """The first cache slot any query of the next forward sees in a sliding layer of `window`
     (0: all of them); the slots before it are left out of attention altogether."""
@@ -278,7 +285,14 @@ def _set_rope(attn: nn.Module, rope) -> None:
     attn.rope = rope
 
 
-def _gpt_oss_experts(weights: dict) -> dict:
+def _without_mtp_layers(weights: dict, config: dict) -> dict:
+    """DeepSeek-V3 ships its MTP module as layer `num_hidden_layers` (`--drafter mtp` reads it apart)."""
+    L = int(config["num_hidden_layers"])
+    return {k: v for k, v in weights.items()
+            if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= L)}
+
+
+def _gpt_oss_experts(weights: dict, config: dict) -> dict:
     """transformers stores gpt-oss's experts as matmul operands, `experts.gate_up_proj` `[E, H, 2I]`
     and `experts.down_proj` `[E, I, H]`; mlx-lm's sanitize reads OpenAI's `[E, out, in]` weights."""
     return {(k + ".weight" if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else k):
@@ -289,7 +303,7 @@ def _gpt_oss_experts(weights: dict) -> dict:
 EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def stack_experts(weights: dict) -> dict:
+def stack_experts(weights: dict, config: dict | None = None) -> dict:
     """A mixture of experts stored one tensor per expert (`mlp.experts.{e}.up_proj.weight`, as
     transformers 5 saves Qwen3.5-MoE) stacked as mlx-lm's layers hold them (`mlp.switch_mlp.up_proj.weight`
     `[E, out, in]`), as mlx-lm's own sanitize does for the families that it reads so."""
@@ -308,7 +322,7 @@ def stack_experts(weights: dict) -> dict:
     return out
 
 
-BEFORE_SANITIZE = {"gpt_oss": _gpt_oss_experts, "qwen3_5_moe": stack_experts}
+BEFORE_SANITIZE = {"gpt_oss": _gpt_oss_experts, "qwen3_5_moe": stack_experts, "deepseek_v3": _without_mtp_layers}
 
 
 def _classes(config: dict):
@@ -319,7 +333,8 @@ def _classes(config: dict):
     fix = BEFORE_SANITIZE.get(config.get("model_type"))
     if fix is None:
         return model_class, args_class
-    return type(model_class.__name__, (model_class,), {"sanitize": lambda self, w: model_class.sanitize(self, fix(w))}), args_class
+    return type(model_class.__name__, (model_class,),
+                {"sanitize": lambda self, w: model_class.sanitize(self, fix(w, config))}), args_class
 
 
 class Model(LlamaModel):
@@ -396,6 +411,8 @@ class Model(LlamaModel):
             kind = self.kinds[i]
             if kind != RECURRENT and kind not in made:
                 mask = default_mask(S, caches, kind) if tree is None else _tree_mask(tree, kind, first, positions)
+                if isinstance(mask, str) and self.model_type in ARRAY_MASKS:
+                    mask = first.make_mask(S, return_array=True) if first is not None else _causal(S)
                 lo = _window_start(first, kind)
                 if lo and tree is None and S == 1 and first.aligned:
                     mask = None  # one query, the window's keys alone: all of them
