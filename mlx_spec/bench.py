@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.metrics import StepEvent
+from mlx_spec.models.load import cast_floating, compute_dtype
 from mlx_spec.policy import expected_tokens
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import Metrics
@@ -48,8 +49,9 @@ class Row:
     ratios: list[float] = field(default_factory=list)  # to plain, same prompt and repeat
     identical: bool = True  # greedy: every output equal to plain decoding's
     ties: int = 0  # greedy outputs that part from plain decoding's at a float-rounding tie
+    peak: int = 0  # bytes: MLX's peak memory over the row's runs (weights, caches, drafter, activations)
 
-    def as_dict(self, plain_tps: float, bound_tps: float) -> dict:
+    def as_dict(self, plain_tps: float, bound_tps: float | None) -> dict:
         m = self.metrics.as_dict()
         tps = sorted(self.decode_tps)
         predicted, why = predict(self.metrics, 1 / plain_tps, _median(self.ratios))
@@ -72,7 +74,8 @@ class Row:
             "alpha": self.metrics.alpha,
             "predicted_speedup": predicted,
             "prediction_note": why,
-            "of_bound": _median(tps) / (m["tau"] * bound_tps) if bound_tps else 0.0,
+            "of_bound": _median(tps) / (m["tau"] * bound_tps) if bound_tps else None,
+            "peak_memory_mb": self.peak / 2**20,
         }
 
 
@@ -165,17 +168,35 @@ def predict(m: Metrics, step_time: float, measured: float) -> tuple[float | None
     return predicted, "K changes from round to round; the formula assumes one K"
 
 
-def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second this machine reads, measured with a reduction over a large array."""
-    a = mx.ones((megabytes * 2**20 // 4,), dtype=mx.float32)
-    mx.eval(a)
-    mx.eval(a.sum())
+def memory_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second a matrix-vector product reads from a float32 matrix of `nbytes`: how
+    decoding reads its weights (a reduction runs on one core and reads slower than that)."""
+    cols = 4096
+    W = mx.ones((max(nbytes // (4 * cols), 1), cols), dtype=mx.float32)
+    x = mx.ones((cols,), dtype=mx.float32)
+    mx.eval(W, x, W @ x)
     best = float("inf")
     for _ in range(repeats):
         tic = time.perf_counter()
-        mx.eval(a.sum())
+        mx.eval(W @ x)
         best = min(best, time.perf_counter() - tic)
-    return a.nbytes / best
+    return W.nbytes / best
+
+
+STREAMING_BYTES = 512 * 2**20  # larger than any cache: a read from memory
+# Smaller weights are taken to sit in the caches (a matrix-vector product that small is timed by
+# its dispatch, not its reads).
+CACHED_BYTES = 16 * 2**20
+
+
+def bandwidth_bound(step_bytes: int) -> tuple[float, float | None]:
+    """(streaming bandwidth, plain decoding's bound in tokens/s). The bound is None where the
+    weights fit in the caches (below CACHED_BYTES, or a matrix of their size reads much faster than
+    a streaming one): no memory-bandwidth bound applies then."""
+    streaming = memory_bandwidth(STREAMING_BYTES)
+    if step_bytes < CACHED_BYTES or (step_bytes < STREAMING_BYTES and memory_bandwidth(step_bytes) > 1.25 * streaming):
+        return streaming, None
+    return streaming, streaming / step_bytes
 
 
 def _median(xs: list[float]) -> float:
@@ -271,9 +292,11 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     from mlx_spec.models.mlxlm import Model as MLXLMTarget
 
     model = target.model
-    # A target run through mlx-lm's code is its model already (the same weights, read right, in the same dtype)
+    # A target run through mlx-lm's code is its model already (the same weights, read right, in the same dtype);
+    # else mlx-lm loads the checkpoint, computing in mlx-spec's dtype (float32 on the CPU, where half precision
+    # is not BLAS-backed), so that its rows compare like with like
     ref_model = model.inner if isinstance(model, MLXLMTarget) else \
-        mlx_lm_load(str(target.path), adapter_path=args.adapter_path)[0]
+        cast_floating(mlx_lm_load(str(target.path), adapter_path=args.adapter_path)[0], compute_dtype())
     runners: dict[str, Runner] = {
         PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n),
         "mlx-lm": lambda prompt, p, n: _mlx_lm_events(
@@ -296,7 +319,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
         runners[f"mlx-spec {entry}"] = spec_run
         drafters[f"mlx-spec {entry}"] = drafter
         if isinstance(drafter, DraftModel) and not any(name.startswith("mlx-lm ") for name in runners):
-            ref_draft, _ = mlx_lm_load(str(drafter.path))
+            ref_draft = cast_floating(mlx_lm_load(str(drafter.path))[0], compute_dtype())
             k = args.num_draft or 3
 
             def ref_spec_run(prompt, p, n, ref_draft=ref_draft):
@@ -336,6 +359,25 @@ def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> di
     return {"replayed_tokens": k // 2 + 1, "rollback_ms": 1e3 * (with_cut - plain), "plain_step_ms": 1e3 * plain}
 
 
+def drafter_bytes(drafter, target) -> int:
+    """Bytes of a drafter's own weights (its modules but the target's; 0 for lookup, suffix, self-speculation)."""
+    import mlx.nn as nn
+
+    modules = [m for m in vars(drafter).values() if isinstance(m, nn.Module) and m is not target] if drafter else []
+    return sum(v.nbytes for m in modules for _, v in tree_flatten(m.parameters()))
+
+
+def read_per_step(model) -> int:
+    """Bytes of weights one decoding step reads (the KV cache aside): all of them, but of a mixture of
+    experts only the share a token is routed to (its experts are stacked `[E, ...]` per layer)."""
+    routed = getattr(model.args, "routed", None)
+    total = 0
+    for name, v in tree_flatten(model.parameters()):
+        expert = routed is not None and (".switch_mlp." in name or ".experts." in name) and v.shape[0] == routed[1]
+        total += v.nbytes * routed[0] // routed[1] if expert else v.nbytes
+    return total
+
+
 def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> dict:
     """Measure every method at every temperature; the report as a dict (`template_args`: `load_prompts`')."""
     from mlx_spec import api
@@ -346,6 +388,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         raise UserError(f"--num-prompts must be >= 0, got {args.num_prompts}")
     sizes = batch_sizes(args.concurrency) if args.concurrency else []
     target = api.load(args.model, args.revision, adapter_path=args.adapter_path)
+    dtype = compute_dtype()
     model = target.model
     prompts = load_prompts(args, target.tokenizer, template_args)
     runners, drafters = make_runners(args, target)
@@ -362,7 +405,9 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                 timed = {}
                 for name, run in runners.items():
                     mx.random.seed(r)
+                    mx.reset_peak_memory()
                     timed[name] = time_run(run(prompt, params, n), len(prompt), n, table[name].metrics)
+                    table[name].peak = max(table[name].peak, mx.get_peak_memory())
                 base_tps, plain_tokens = timed[PLAIN][1], timed[PLAIN][2]
                 for name, (ptps, dtps, tokens) in timed.items():
                     row = table[name]
@@ -378,12 +423,17 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
     concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, max(2, args.repeats))
                    if sizes else [])
     weights = tree_flatten(model.parameters())
-    step_bytes = sum(v.nbytes for _, v in weights)  # read once per target step (the KV cache aside)
-    bandwidth = memory_bandwidth()
-    bound = bandwidth / step_bytes
+    step_bytes = read_per_step(model)
+    bandwidth, bound = bandwidth_bound(step_bytes)
     plain = {r.temp: _median(r.decode_tps) for r in rows if r.name == PLAIN}
+    plain_peak = {r.temp: r.peak for r in rows if r.name == PLAIN}
+    reported = [r.as_dict(plain[r.temp], bound) for r in rows]
+    for row, r in zip(reported, rows):  # the peak counts all that is loaded: the drafter's share apart
+        row["beyond_plain_mb"] = (r.peak - plain_peak[r.temp]) / 2**20  # its caches and activations
+        row["drafter_weights_mb"] = drafter_bytes(drafters.get(r.name), model) / 2**20
     return {
         "model": args.model,
+        "dtype": str(dtype or weights[0][1].dtype).removeprefix("mlx.core."),
         "parameters": sum(v.size for _, v in weights),
         "bandwidth_gbs": bandwidth / 1e9,
         "step_bytes": step_bytes,
@@ -392,7 +442,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         "prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "max_tokens": n,
         "repeats": args.repeats,
-        "rows": [r.as_dict(plain[r.temp], bound) for r in rows],
+        "rows": reported,
         "concurrency": concurrency,
         "rollback": rollback_cost(model, prompts[0]),
     }
@@ -403,10 +453,12 @@ def format_report(report: dict) -> str:
     lines = [
         f"{report['model']}: {report['parameters'] / 1e6:.1f}M parameters; {report['prompts']} prompts "
         f"(mean {report['prompt_tokens']:.0f} tokens) x {report['repeats']} repeats, {report['max_tokens']} tokens each",
-        f"memory bandwidth {report['bandwidth_gbs']:.1f} GB/s, {report['step_bytes'] / 1e6:.1f} MB read per target "
-        f"step: plain decoding is bound by {report['bound_tps']:.0f} tok/s",
+        f"computing in {report['dtype']}, mlx-lm's rows too; memory bandwidth {report['bandwidth_gbs']:.1f} GB/s "
+        f"(a streaming read), {report['step_bytes'] / 1e6:.1f} MB read per target step: "
+        + (f"plain decoding is bound by {report['bound_tps']:.0f} tok/s" if report["bound_tps"]
+           else "the weights fit in this machine's caches, so no memory-bandwidth bound applies"),
         f"{'':30} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'predicted':>9} {'tau':>5} "
-        f"{'c':>5} {'of bound':>8}  {'acceptance by position':24} greedy = plain",
+        f"{'c':>5} {'of bound':>8} {'peak MB':>8}  {'acceptance by position':24} greedy = plain",
     ]
     rollback = report.get("rollback")
     if rollback:
@@ -420,12 +472,13 @@ def format_report(report: dict) -> str:
         if r["rounding_ties"] and r["identical_to_plain"]:
             same += f" ({r['rounding_ties']} at a rounding tie)"
         pred = f"{r['predicted_speedup']:8.2f}x" if r["predicted_speedup"] is not None else f"{'':9}"
+        bound = f"{r['of_bound']:.1%}" if r["of_bound"] is not None else "-"
         if r["prediction_note"]:
             notes.append(f"  {r['name']} at {r['temp']:.1f}: predicted vs measured differ: {r['prediction_note']}")
         lines.append(
             f"{r['name']:30} {r['temp']:4.1f} {r['decode_tps']:7.1f} "
             f"{r['decode_tps_min']:6.1f}-{r['decode_tps_max']:<6.1f} {r['ratio_to_plain']:7.2f}x {pred} "
-            f"{r['tau']:5.2f} {r['c']:5.2f} {r['of_bound']:7.1%}  {acc:24} {same}"
+            f"{r['tau']:5.2f} {r['c']:5.2f} {bound:>8} {r['peak_memory_mb']:8.1f}  {acc:24} {same}"
         )
     if report["concurrency"]:
         sizes = sorted({r["batch"] for r in report["concurrency"]})
@@ -468,13 +521,14 @@ def plot_report(report: dict, out: Path) -> None:
         tps = {r["name"]: r["decode_tps"] for r in rows if r["temp"] == temp}
         speed.bar([j + i * width for j in range(len(names))], [tps.get(n, 0) for n in names], width,
                   label=f"temperature {temp:g}")
-    speed.axhline(report["bound_tps"], color="black", linestyle="--", linewidth=1,
-                  label=f"plain decoding's bandwidth bound ({report['bound_tps']:.0f} tok/s)")
+    if report["bound_tps"]:
+        speed.axhline(report["bound_tps"], color="black", linestyle="--", linewidth=1,
+                      label=f"plain decoding's bandwidth bound ({report['bound_tps']:.0f} tok/s)")
     speed.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
     labels = ["plain" if n == PLAIN else n.removeprefix("mlx-spec ") for n in names]
     speed.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     speed.set(ylabel="decode tokens/s (median)", title=f"{report['model']}: decoding speed")
-    speed.set_ylim(0, max(report["bound_tps"], *(r["decode_tps"] for r in rows)) * 1.15)
+    speed.set_ylim(0, max(report["bound_tps"] or 0, *(r["decode_tps"] for r in rows)) * 1.15)
     speed.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

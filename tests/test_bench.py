@@ -28,3 +28,13 @@ def test_prediction_follows_the_seed_formula():
     assert predicted == pytest.approx(expected) and why == ""
     predicted, why = bench.predict(m, step_time=0.25, measured=expected)  # verification = 4 plain steps
     assert "4.00 plain steps" in why
+
+
+def test_the_bandwidth_bound_is_a_streaming_read_and_absent_in_cache():
+    """The probe reads as decoding does (a matrix-vector product), from a matrix larger than the caches;
+    weights that fit in the caches read faster than that, and get no bound."""
+    from mlx_spec.bench import STREAMING_BYTES, bandwidth_bound
+
+    streaming, bound = bandwidth_bound(4 * STREAMING_BYTES)
+    assert streaming > 0 and bound == streaming / (4 * STREAMING_BYTES)
+    assert bandwidth_bound(256 * 1024)[1] is None

@@ -8,7 +8,7 @@ from typing import Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from mlx_spec import hub
 from mlx_spec.weights import read_safetensors
@@ -34,6 +34,15 @@ def compute_dtype() -> mx.Dtype | None:
     keeps the checkpoint's dtype on a GPU."""
     gpu = mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
     return None if gpu else mx.float32
+
+
+def cast_floating(module: nn.Module, dtype: mx.Dtype | None) -> nn.Module:
+    """`module` with its floating parameters in `dtype` (None: as they are), read now."""
+    if dtype is not None:
+        module.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
+                               module.parameters()))
+        mx.eval(module.parameters())
+    return module
 
 
 def _quantize(model: Model, q: dict, weights: dict, source: Path) -> None:

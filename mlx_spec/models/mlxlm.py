@@ -33,7 +33,7 @@ import types
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from mlx_spec.attention import TreeMask
 from mlx_spec.cache import KVCache, RecurrentCache
@@ -85,6 +85,7 @@ class TargetArgs:
     rope_theta: float
     rope_scaling: dict | None
     sliding_window: int | None = None  # (each layer's window is the wrapper's: `Model.kinds`)
+    routed: tuple[int, int] | None = None  # a mixture of experts: (experts a token runs, experts per layer)
 
     @property
     def extra(self) -> dict:
@@ -105,7 +106,13 @@ class TargetArgs:
                    int(config.get("intermediate_size") or config.get("moe_intermediate_size") or 4 * hidden), heads,
                    int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or hidden // heads),
                    float(config.get("rms_norm_eps", 1e-6)), float(config.get("rope_theta", 10000.0)),
-                   config.get("rope_scaling"))
+                   config.get("rope_scaling"), None, _routed(config))
+
+
+def _routed(config: dict) -> tuple[int, int] | None:
+    experts = config.get("num_experts") or config.get("n_routed_experts")
+    per_token = config.get("num_experts_per_tok")
+    return (int(per_token), int(experts)) if experts and per_token else None
 
 
 def mlx_lm_config(config: dict) -> dict:
@@ -448,6 +455,8 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
     floating weights in `dtype` (None: as stored)."""
     from mlx_lm.utils import load_model as mlx_lm_load
 
+    from mlx_spec.models.load import cast_floating
+
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UserError(f"{path / 'config.json'}: model_type '{model_type}' is not supported")
@@ -458,9 +467,4 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
         inner, _ = mlx_lm_load(path, model_config=fields, get_model_classes=_classes)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
         raise UserError(f"{path}: mlx-lm cannot load it as {model_type} ({e})".splitlines()[0]) from None
-    if dtype is not None:
-        floating = tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
-                            inner.parameters())
-        inner.update(floating)
-        mx.eval(inner.parameters())
-    return Model(inner, config)
+    return Model(cast_floating(inner, dtype), config)
