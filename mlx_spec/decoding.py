@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec import tree
+from mlx_spec import host, tree
 from mlx_spec.attention import TreeMask
 from mlx_spec.cache import KVCache, cut_cache, keep_cache, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
@@ -185,7 +185,7 @@ class Decoder:
         toc = time.perf_counter()
         events = {}
         for b, (r, draft, (path, token)) in enumerate(zip(rows, drafts, verdicts)):
-            drafted = draft.tokens.tolist()
+            drafted = host.read(draft.tokens)
             tokens, at = [drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]
             self._commit(b, r, tokens, hidden, capture, mx.array(at))
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
@@ -237,7 +237,7 @@ class Decoder:
         if self.policy.plain_next(keys, drafters) and all(r.max_tokens - r.produced > 1 for r in self.rows):
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
-        tokens = y.tolist()
+        tokens = host.read(y)
         toc = time.perf_counter()
         events = {}
         for b, (r, token) in enumerate(zip(self.rows, tokens)):

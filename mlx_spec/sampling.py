@@ -14,6 +14,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from mlx_spec import host
 from mlx_spec.errors import UserError
 from mlx_spec.tree import children
 
@@ -239,7 +240,7 @@ def accept(logits: mx.array, drafts: list, params: list[SamplingParams], rule: s
     lossy rule, trees only): each row's arrays are built lazily and evaluated
     together, once for the batch; tree walks then run on the host. Returns, per
     row, the accepted draft nodes (in order) and the token that follows them."""
-    lazy, host = [], []
+    lazy, verdicts = [], []
     for b, (draft, p) in enumerate(zip(drafts, params)):
         n = len(draft)
         scores = logits[b, : n + 1]  # [n+1, V]
@@ -261,19 +262,19 @@ def accept(logits: mx.array, drafts: list, params: list[SamplingParams], rule: s
     for draft, p, out in zip(drafts, params, lazy):
         n = len(draft)
         if n == 0:
-            host.append(([], out.item()))
+            verdicts.append(([], host.read(out)))
         elif draft.parents is None:
-            k, token = out.tolist()
-            host.append((list(range(k)), token))
+            k, token = host.read(out)
+            verdicts.append((list(range(k)), token))
         else:
-            tokens = draft.tokens.tolist()
+            tokens = host.read(draft.tokens)
             if p.greedy:
-                host.append(accept_tree_greedy(out.tolist(), tokens, draft.parents))
+                verdicts.append(accept_tree_greedy(host.read(out), tokens, draft.parents))
             elif rule == "typical":
                 q, ok, samples = out
-                host.append(accept_tree_typical(np.array(q), ok.tolist(), samples.tolist(), tokens, draft.parents))
+                verdicts.append(accept_tree_typical(np.array(q), host.read(ok), host.read(samples), tokens, draft.parents))
             else:
                 q, u, *lp = out
-                host.append(accept_tree_sampled(np.array(q), u.tolist(), tokens, draft.parents,
+                verdicts.append(accept_tree_sampled(np.array(q), host.read(u), tokens, draft.parents,
                                                 np.array(lp[0]) if lp else None))
-    return host
+    return verdicts

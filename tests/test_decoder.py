@@ -119,3 +119,51 @@ def test_sampled_rows_have_the_targets_distribution(monkeypatch):
     assert batch_tv(target, draft, p, params) < bound
     monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)  # a wrong rule fails the same check
     assert batch_tv(target, draft, p, params) > bound
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_round_waits_for_the_device_a_fixed_number_of_times(monkeypatch, temp, rows):
+    """Host syncs per round, counted: a speculative round evaluates twice for the whole batch (the drafts,
+    then every verdict) and reads each row's verdict, drafted tokens and the draft model's commit once;
+    a plain round evaluates nothing (its next round is queued) and reads the batch's tokens once."""
+    from mlx_spec import host
+
+    counts = {"eval": 0, "read": 0}
+    real_eval, real_read = mx.eval, host.read
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    target = tiny(0, 64)
+    params = SamplingParams(temp=temp)
+    for make, evals, reads in ((lambda: DraftModel(tiny(1, 64), 64), 2, 3 * rows), (lambda: None, 0, 1)):
+        decoder = Decoder(target, num_draft=3)
+        drafter = make()
+        for b in range(rows):
+            decoder.add(b, PROMPTS[b % 2], params, 64, drafter)
+        decoder.step()
+        monkeypatch.setattr(mx, "eval", counted("eval", real_eval))
+        monkeypatch.setattr(host, "read", counted("read", real_read))
+        for _ in range(6):
+            counts.update(eval=0, read=0)
+            decoder.step()
+            assert counts == {"eval": evals, "read": reads}, (drafter, counts)
+        monkeypatch.setattr(mx, "eval", real_eval)
+        monkeypatch.setattr(host, "read", real_read)
+
+
+def test_the_round_reads_the_device_only_through_host_read():
+    """What the count above sees is all there is: the round's modules (and the draft model's) read
+    device values only through `mlx_spec.host.read`."""
+    from pathlib import Path
+
+    import mlx_spec
+
+    root = Path(mlx_spec.__file__).parent
+    for name in ("decoding.py", "sampling.py", "policy.py", "cache.py", "drafters/base.py", "drafters/draft_model.py"):
+        text = (root / name).read_text()
+        assert ".tolist()" not in text and ".item()" not in text, name

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_spec import host
 from mlx_spec.cache import cut_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows
 from mlx_spec.models.llama import Model
@@ -54,7 +55,7 @@ class DraftModel(RowStates):
         # The cache holds the old context and the draft but its last token; keep
         # the drafted tokens the target accepted (the context has them next).
         if self.drafted[b] is not None:  # evaluated by now
-            self.cached[b].extend(self.drafted[b].tolist())
+            self.cached[b].extend(host.read(self.drafted[b]))
             self.drafted[b] = None
         base = self.base[b]
         n = common_prefix(self.cached[b][base:], context[base:])
