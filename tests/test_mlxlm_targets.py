@@ -450,3 +450,19 @@ def test_a_z_lab_dflash_folder_drafts_losslessly(name, tmp_path):
     events = list(speculative_steps(model, prompt, GREEDY, 24, drafter.new_session()))
     assert [t for e in events for t in e.tokens] == plain
     assert sum(len(e.drafted) for e in events) > 0
+
+
+@pytest.mark.parametrize("name", ["mimo", "qwen3_5"])
+def test_generate_with_the_checkpoints_own_mtp_reports_tau(name, tmp_path):
+    """`mlx-spec generate --drafter mtp` (no source) on MiMo and on Qwen3.5 as published: the same
+    tokens as plain decoding (`--check`), and tau in the report."""
+    from mlx_spec.testing import make_tokenizer
+
+    target_dir = tmp_path / name
+    shutil.copytree(FIXTURES / name, target_dir)
+    make_tokenizer(target_dir, 250)
+    proc = cli("generate", "--model", target_dir, "--drafter", "mtp", "--prompt", "the lazy dog jumps over the lazy",
+               "--max-tokens", "16", "--no-chat-template", "--check", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["identical_to_plain"] is True and out["drafter"] == "mtp" and out["tau"] >= 1.0

@@ -411,23 +411,25 @@ class Model(LlamaModel):
         if tree is not None and not self.verifies_trees:
             raise UserError(f"a {self.model_type} target verifies chains only (its linear-attention layers "
                             "roll back a chain): give no --tree or --tree-budget")
-        caches = [first] if first is not None else None
         made: dict = {}
         out = []
         for i in layers:
             kind = self.kinds[i]
             if kind != RECURRENT and kind not in made:
-                mask = default_mask(S, caches, kind) if tree is None else _tree_mask(tree, kind, first, positions)
-                if isinstance(mask, str) and self.model_type in ARRAY_MASKS:
-                    mask = first.make_mask(S, return_array=True) if first is not None else _causal(S)
-                lo = _window_start(first, kind)
-                if lo and tree is None and S == 1 and first.aligned:
-                    mask = None  # one query, the window's keys alone: all of them
-                elif lo:
-                    mask = mask[..., lo:]
-                made[kind] = mask
+                made[kind] = self._mask(S, first, kind, tree, positions)
             out.append(None if kind == RECURRENT else made[kind])
         return out
+
+    def _mask(self, S: int, first: KVCache | None, window: int | None, tree, positions: mx.array | None):
+        """One attention kind's mask: over the keys from the window's first slot on, where it slides."""
+        lo = _window_start(first, window)
+        if lo and tree is None and S == 1 and first.aligned:
+            return None  # one query, the window's keys alone: all of them
+        mask = default_mask(S, [first] if first is not None else None, window) if tree is None else \
+            _tree_mask(tree, window, first, positions)
+        if isinstance(mask, str) and self.model_type in ARRAY_MASKS:
+            mask = first.make_mask(S, return_array=True) if first is not None else _causal(S)
+        return mask[..., lo:] if lo else mask
 
     def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:
         if not isinstance(cache, RecurrentCache):
