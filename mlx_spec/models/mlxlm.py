@@ -17,18 +17,19 @@ Per family, what mlx-spec gives mlx-lm's modules beside the loop: each layer's
 mask (full, a sliding window, or none for a linear-attention layer), Gemma's
 embedding scale as transformers computes it, transformers' YaRN where mlx-lm
 rounds it, gpt-oss's experts as transformers stores them, and the tape that
-rolls a Gated DeltaNet layer back (`cache.RecurrentCache`). Chains only: trees
-are refused with the architecture named.
+rolls a Gated DeltaNet layer back (`cache.RecurrentCache`); for trees, each
+token rotated to its own position and the tree's mask. Hybrid targets verify
+chains only (the recurrence would have to follow each branch). docs/targets.md
+lists it all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import contextvars
 import re
 import types
+from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
