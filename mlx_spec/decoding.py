@@ -23,7 +23,7 @@ import numpy as np
 
 from mlx_spec import host, tree
 from mlx_spec.attention import TreeMask
-from mlx_spec.cache import KVCache, cut_cache, keep_cache, trim_cache
+from mlx_spec.cache import KVCache, cut_cache, keep_cache, rewound, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
 from mlx_spec.logprobs import gather, read
@@ -104,10 +104,9 @@ class Decoder:
             slot = drafter.rows - 1
             drafter.bind(single)
             kept = drafter.restart(slot, context, held)
-            if not all(c.can_trim(held - kept) for c in single):  # a linear-attention layer cannot go back so far
-                single, held = self.model.make_cache(), 0
+            single = rewound(single, kept, self.model.make_cache)  # anew where a linear-attention layer cannot go back
+            if single[0].lengths[0] < kept:
                 kept = drafter.restart(slot, context, 0)
-            trim_cache(single, held - kept)
             held, capture = kept, drafter.capture
             if capture:  # a drafter reading the target's features gets the prompt's as they are computed
                 def consume(end, hidden):
@@ -131,9 +130,8 @@ class Decoder:
             c.remove(b)
         if row.drafter is not None:
             row.drafter.remove(row.slot)
-            for r in self.rows:
-                if r.drafter is row.drafter and r.slot > row.slot:
-                    r.slot -= 1
+            for r in [r for r in self.rows if r.drafter is row.drafter and r.slot > row.slot]:
+                r.slot -= 1
         self.policy.forget(key)
 
     def step(self) -> dict[object, StepEvent]:
@@ -278,9 +276,8 @@ class Decoder:
             trim_cache(self.cache, 1)
 
     def _finish(self) -> None:
-        if not self.keep_finished:
-            for r in [r for r in self.rows if r.produced >= r.max_tokens]:
-                self.remove(r.key)
+        for r in [r for r in self.rows if r.produced >= r.max_tokens and not self.keep_finished]:
+            self.remove(r.key)
 
 
 def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,

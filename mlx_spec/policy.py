@@ -96,6 +96,7 @@ class Measured:
     since: int = 0  # rounds since the last such run
     every: int = 0  # while plain: rounds between two drafting runs (one row: probes)
     plain_rounds: int = 0  # one row: plain rounds since the last probe
+    best: tuple | None = None  # (rows, drafters) -> K: the model's choice since the last record
 
     def verify_time(self, S: int) -> float:
         """Measured, or from a line through the measured lengths (flat with one)."""
@@ -171,7 +172,7 @@ class Policy:
             return False
         m = self.measured(len(keys))
         if len(keys) == 1:
-            return bool(m.times) and self._best(m, keys, drafters) == 0 and \
+            return bool(m.times) and self._one_best(m, keys, drafters) == 0 and \
                 m.plain_rounds + 1 < (m.every or self.PROBE_EVERY)
         if m.mode == "plain":
             return m.run == 0 and m.since + 1 < m.every
@@ -184,10 +185,23 @@ class Policy:
         return (drafting + m.verify_time(k + 1)) / tokens
 
     def _best(self, m: Measured, keys: list, drafters: list) -> int:
-        """The K with the least time per token; drafting only where it promises `MARGIN` over plain."""
+        """The K with the least time per token; drafting only where it promises `MARGIN` over plain.
+        Kept until the next `record` (a round asks twice: its K, and whether the next is plain)."""
+        if m.best is not None and m.best[0] == (keys, [id(d) for d in drafters]):
+            return m.best[1]
         times = [self._time_per_token(m, keys, drafters, k) for k in range(self.k_max + 1)]
         best = min(range(self.k_max + 1), key=times.__getitem__)
-        return best if times[best] * self.MARGIN < times[0] else 0
+        best = best if times[best] * self.MARGIN < times[0] else 0
+        m.best = ((list(keys), [id(d) for d in drafters]), best)
+        return best
+
+    def _one_best(self, m: Measured, keys: list, drafters: list) -> int:
+        """One row's K by the model, unless whole drafting rounds (host work and all) have measured
+        slower than plain ones: then plain, but for the probes."""
+        best = self._best(m, keys, drafters)
+        if best and m.seconds[True] and m.seconds[False] and m.rate(True) * self.MARGIN < m.rate(False):
+            return 0
+        return best
 
     def _one(self, keys: list, drafters: list) -> int:
         """One row: the model decides; after a few plain rounds, a probe."""
@@ -196,7 +210,7 @@ class Policy:
             return self.k_max  # start optimistic: the measured costs soon say
         if m.samples(1) < 2:  # and measure a plain round's cost: without it, every K looks as cheap
             return 0
-        best = self._best(m, keys, drafters)
+        best = self._one_best(m, keys, drafters)
         if best:
             m.every = 0
             return best
@@ -256,6 +270,7 @@ class Policy:
         A verification's cost is kept by the K it was chosen for: a tree of that
         depth costs what its width costs."""
         m = self.measured(len(keys))
+        m.best = None
         first = S not in m.seen  # a shape's first round also compiles: not a cost to learn from
         m.seen.add(S)
         drafting = any(ks)
