@@ -23,6 +23,14 @@ import numpy as np
 from mlx_spec.tree import ancestor_matrix
 
 
+def causal_array(S: int, cache=None) -> mx.array:
+    """The causal mask of S new tokens as a boolean array (for attention that applies its mask
+    itself): the cache's (each row sees its own cache, then its new tokens causally), or `[S, S]`."""
+    if cache is not None:
+        return cache.make_mask(S, return_array=True)
+    return mx.array(np.tril(np.ones((S, S), dtype=bool)))
+
+
 def tree_mask(parents: Sequence[int], cached: int) -> mx.array:
     """`[N, cached + N]` bool mask for a tree of N new tokens after `cached` tokens."""
     tree = ancestor_matrix(parents)

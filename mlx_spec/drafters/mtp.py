@@ -37,8 +37,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
+from mlx_spec.attention import causal_array
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, draw_rows, padded
 from mlx_spec.errors import UserError
@@ -95,8 +95,7 @@ class MTPModule(nn.Module):
         if isinstance(self.block, DecoderLayer):
             return self.block(x, mask, cache, None)
         if isinstance(mask, str):  # mlx-lm's layer: an array (DeepSeek's attention applies it itself)
-            mask = cache.make_mask(x.shape[1], return_array=True) if cache is not None else \
-                mx.array(np.tril(np.ones((x.shape[1],) * 2, dtype=bool)))
+            mask = causal_array(x.shape[1], cache)
         return self.block(x, mask, cache)
 
     def logits(self, x: mx.array, target: Model) -> mx.array:
@@ -111,8 +110,8 @@ class MTPNet(nn.Module):
 
     def __init__(self, config: dict, source: str = "config.json"):
         super().__init__()
-        gated = config.get("model_type") in MLX_LM_BLOCKS
-        if gated:
+        theirs = config.get("model_type") in MLX_LM_BLOCKS  # the block is mlx-lm's layer
+        if theirs:
             from mlx_spec.models.mlxlm import TargetArgs, mlx_lm_config
 
             self.args = args = TargetArgs.of(mlx_lm_config(config), 1)
@@ -125,9 +124,9 @@ class MTPNet(nn.Module):
         n = int(mtp.get("num_modules", 1))
         if n < 1:
             raise UserError(f"{source}: mtp.num_modules must be at least 1, got {n}")
-        rope = None if gated else RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        rope = None if theirs else RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
         self.layers = [
-            MTPModule(args, mlx_lm_block(config) if gated else DecoderLayer(args, rope),
+            MTPModule(args, mlx_lm_block(config) if theirs else DecoderLayer(args, rope),
                       bool(mtp.get("hidden_first", False)), bool(mtp.get("has_head", False)))
             for _ in range(n)
         ]

@@ -36,11 +36,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_spec.attention import TreeMask
+from mlx_spec.attention import TreeMask, causal_array
 from mlx_spec.cache import KVCache, RecurrentCache
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model as LlamaModel, default_mask
-from mlx_spec.models.rope import RoPE
+from mlx_spec.models.rope import RoPE, at_positions
 
 # model_type -> what it is; each checked against transformers' greedy output (tests/test_mlxlm_targets.py)
 FAMILIES = {
@@ -182,15 +182,8 @@ class _TreeRoPE:
         positions = _POSITIONS.get()
         if positions is None:
             return self.rope(x, offset=offset)
-        B, H, S, D = x.shape  # one row per token, each with its own offset
-        rows = x.transpose(0, 2, 1, 3).reshape(B * S, H, 1, D)
-        rotated = self.rope(rows, offset=mx.broadcast_to(positions, (B, S)).reshape(B * S))
-        return rotated.reshape(B, S, H, D).transpose(0, 2, 1, 3)
-
-
-def _causal(S: int) -> mx.array:
-    """`[S, S]`, True on and below the diagonal."""
-    return mx.array(np.tril(np.ones((S, S), dtype=bool)))
+        rotate = lambda rows, at: self.rope(rows, offset=at)  # noqa: E731
+        return at_positions(rotate, x.transpose(0, 2, 1, 3), positions).transpose(0, 2, 1, 3)
 
 
 def _window_start(cache: KVCache | None, window) -> int:
@@ -303,15 +296,15 @@ def _without_mtp_layers(weights: dict, config: dict) -> dict:
 def _gpt_oss_experts(weights: dict, config: dict) -> dict:
     """transformers stores gpt-oss's experts as matmul operands, `experts.gate_up_proj` `[E, H, 2I]`
     and `experts.down_proj` `[E, I, H]`; mlx-lm's sanitize reads OpenAI's `[E, out, in]` weights."""
-    return {(k + ".weight" if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else k):
-            (v.swapaxes(-1, -2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
-            for k, v in weights.items()}
+    fused = ("experts.gate_up_proj", "experts.down_proj")
+    return {k: v for name, w in weights.items()
+            for k, v in [(name + ".weight", w.swapaxes(-1, -2)) if name.endswith(fused) else (name, w)]}
 
 
 EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def stack_experts(weights: dict, config: dict | None = None) -> dict:
+def stack_experts(weights: dict) -> dict:
     """A mixture of experts stored one tensor per expert (`mlp.experts.{e}.up_proj.weight`, as
     transformers 5 saves Qwen3.5-MoE) stacked as mlx-lm's layers hold them (`mlp.switch_mlp.up_proj.weight`
     `[E, out, in]`), as mlx-lm's own sanitize does for the families that it reads so."""
@@ -330,7 +323,8 @@ def stack_experts(weights: dict, config: dict | None = None) -> dict:
     return out
 
 
-BEFORE_SANITIZE = {"gpt_oss": _gpt_oss_experts, "qwen3_5_moe": stack_experts, "deepseek_v3": _without_mtp_layers}
+BEFORE_SANITIZE = {"gpt_oss": _gpt_oss_experts, "qwen3_5_moe": lambda weights, config: stack_experts(weights),
+                   "deepseek_v3": _without_mtp_layers}  # (weights, config) -> weights
 
 
 def _classes(config: dict):
@@ -429,7 +423,7 @@ class Model(LlamaModel):
         mask = default_mask(S, [first] if first is not None else None, window) if tree is None else \
             _tree_mask(tree, window, first, positions)
         if isinstance(mask, str) and self.model_type in ARRAY_MASKS:
-            mask = first.make_mask(S, return_array=True) if first is not None else _causal(S)
+            mask = causal_array(S, first)
         return mask[..., lo:] if lo else mask
 
     def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:

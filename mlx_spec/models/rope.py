@@ -85,7 +85,13 @@ class RoPE:
 
     def at_positions(self, x: mx.array, positions: mx.array) -> mx.array:
         """`x` is `[B, S, H, D]` (before the head transpose); `positions` `[B, S]` or `[S]`."""
-        B, S, H, D = x.shape
-        pos = mx.broadcast_to(positions, (B, S)).reshape(B * S)
-        y = self(x.reshape(B * S, H, 1, D), pos)  # one row per token, its own offset
-        return y.reshape(B, S, H, D)
+        return at_positions(self, x, positions)
+
+
+def at_positions(rope, x: mx.array, positions: mx.array) -> mx.array:
+    """`rope(x, offset)` (any RoPE taking `[B, H, S, D]` and one offset per row) applied to `x`
+    `[B, S, H, D]` with each token at its own position (`positions` `[B, S]` or `[S]`)."""
+    B, S, H, D = x.shape
+    pos = mx.broadcast_to(positions, (B, S)).reshape(B * S)
+    y = rope(x.reshape(B * S, H, 1, D), pos)  # one row per token, its own offset
+    return y.reshape(B, S, H, D)
