@@ -24,7 +24,9 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.cache import trim_cache
+from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
+from mlx_spec.drafters.base import Draft, RowStates
 from mlx_spec.metrics import StepEvent
 from mlx_spec.models.load import cast_floating, compute_dtype
 from mlx_spec.policy import expected_tokens
@@ -98,8 +100,6 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     server would, each method's decoder serves a first batch (compiling, and
     measuring what drafting costs at this batch size), then `batches` measured
     ones; the methods take turns, batch by batch, so the machine's drift is shared."""
-    from mlx_spec.decoding import Decoder
-
     out = []
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
@@ -359,6 +359,39 @@ def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> di
     return {"replayed_tokens": k // 2 + 1, "rollback_ms": 1e3 * (with_cut - plain), "plain_step_ms": 1e3 * plain}
 
 
+class _Free(RowStates):
+    """Drafts k copies of token 0 and costs nothing: a round's work beside its forwards (`round_overhead`)."""
+
+    def new_session(self) -> "_Free":
+        return _Free()
+
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        return Draft.rows(mx.zeros((len(ks), max(ks)), dtype=mx.int32), None, ks)
+
+
+def round_overhead(model, prompt: list[int], k: int = 4, rounds: int = 30) -> dict:
+    """The host's work in one speculative round of one sequence (policy, inputs, acceptance, cache cuts,
+    commits, events): a round whose drafter costs nothing against the bare verification forward over
+    the same k + 1 tokens, evaluated and trimmed back; the two interleaved, medians of `rounds`."""
+    decoder = Decoder(model, num_draft=k)
+    decoder.add(0, prompt, SamplingParams(), (k + 1) * (rounds + 2), _Free())
+    cache = model.make_cache()
+    mx.eval(model(mx.array([prompt]), cache)[0])
+    verify = mx.array([prompt[-1:] + [0] * k])  # [1, k + 1]
+    times: dict[str, list[float]] = {"round": [], "forward": []}
+    for i in range(rounds + 2):
+        tic = time.perf_counter()
+        decoder.step()
+        mid = time.perf_counter()
+        mx.eval(model(verify, cache)[0])
+        trim_cache(cache, k + 1)
+        if i >= 2:  # the first two warm up
+            times["round"].append(mid - tic)
+            times["forward"].append(time.perf_counter() - mid)
+    round_s, forward_s = _median(times["round"]), _median(times["forward"])
+    return {"k": k, "round_ms": 1e3 * round_s, "forward_ms": 1e3 * forward_s, "overhead_ms": 1e3 * (round_s - forward_s)}
+
+
 def drafter_bytes(drafter, target) -> int:
     """Bytes of a drafter's own weights (its modules but the target's; 0 for lookup, suffix, self-speculation)."""
     import mlx.nn as nn
@@ -445,6 +478,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         "rows": reported,
         "concurrency": concurrency,
         "rollback": rollback_cost(model, prompts[0]),
+        "round_overhead": round_overhead(model, prompts[0]),
     }
 
 
@@ -460,6 +494,10 @@ def format_report(report: dict) -> str:
         f"{'':30} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'predicted':>9} {'tau':>5} "
         f"{'c':>5} {'of bound':>8} {'peak MB':>8}  {'acceptance by position':24} greedy = plain",
     ]
+    overhead = report.get("round_overhead")
+    if overhead:
+        lines.insert(2, f"a round's host work (policy, acceptance, cache cuts, commits): {overhead['overhead_ms']:.2f} ms "
+                        f"beside its verification forward of {overhead['k'] + 1} tokens ({overhead['forward_ms']:.2f} ms)")
     rollback = report.get("rollback")
     if rollback:
         lines.insert(2, f"linear-attention rollback: {rollback['rollback_ms']:.2f} ms a round (the recurrence replayed "

@@ -67,14 +67,14 @@ class Decoder:
     `max_tokens` (with `keep_finished`, it stays, holding its cache for a next turn)."""
 
     def __init__(self, model, k_max: int = 8, num_draft: int | None = None, acceptance: str = "exact",
-                 cache: list[KVCache] | None = None, keep_finished: bool = False):
+                 cache: list[KVCache] | None = None, keep_finished: bool = False, policy: Policy | None = None):
         if acceptance not in ("exact", "typical"):
             raise UserError(f"--acceptance must be exact or typical, got '{acceptance}'")
         self.model, self.acceptance, self.keep_finished = model, acceptance, keep_finished
         self.cache = cache if cache is not None else model.make_cache(rows=0)
         self.held = cache is not None  # a kept one-row cache the first row may continue
         self.rows: list[Row] = []
-        self.policy = Policy(k_max, num_draft)
+        self.policy = policy or Policy(k_max, num_draft)
         self.queued: tuple | None = None  # plain rounds: the next tokens (and features), already in the works
 
     @property
@@ -270,8 +270,7 @@ class Decoder:
         return tuple(sorted({i for r in self.rows if r.drafter is not None for i in r.drafter.capture}))
 
     def _unqueue(self) -> None:
-        """Rows change: a queued plain round no longer fits the batch."""
-        if self.queued is not None:
+        if self.queued is not None:  # rows change: a queued plain round no longer fits the batch
             self.queued = None
             trim_cache(self.cache, 1)
 
@@ -287,7 +286,8 @@ def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_
     otherwise K adapts (`policy.Policy`). A `cache` given may already hold the prompt's first tokens
     (an earlier chat turn): as much is kept as the drafter's own state still matches.
     `acceptance="typical"` is Medusa's lossy rule for trees at temperature > 0."""
-    decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True)
+    decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True,
+                      policy=Policy.remembered(drafter, params, k_max, num_draft))
     decoder.add(0, list(prompt), params, max_tokens, drafter)
     while not decoder.done:
         yield decoder.step()[0]

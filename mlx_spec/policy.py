@@ -24,8 +24,11 @@ apart each time it loses) looks again.
 from __future__ import annotations
 
 import statistics
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
+
+from mlx_spec.sampling import SamplingParams
 
 
 def expected_tokens(alpha: float, k: float) -> float:
@@ -142,6 +145,18 @@ class Policy:
         self.draft_cost: dict[int, float] = {}  # id(drafter) -> seconds per drafting step
         self.catching_up: set[int] = set()  # drafters whose next round first reads the tokens they missed
 
+    @classmethod
+    def remembered(cls, drafter, params: SamplingParams, k_max: int, fixed: int | None = None) -> Policy:
+        """One sequence's policy, as the drafter's earlier sequences at these sampling settings left it (a
+        chat's turns, a benchmark's prompts): the costs, the acceptance and whether drafting pays are known
+        from the first round, so a drafter that does not pay here is not tried at its most K again."""
+        if drafter is None:
+            return cls(k_max, fixed)
+        policy = _REMEMBERED.setdefault(drafter, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
+        policy.acceptance.clear()  # a new sequence starts from its drafter's pooled acceptance
+        policy.owner.clear()
+        return policy
+
     def measured(self, B: int) -> Measured:
         return self.by_size.setdefault(B, Measured())
 
@@ -158,6 +173,9 @@ class Policy:
 
     def choose(self, keys: list, drafters: list, rooms: list[int]) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not)."""
+        for key, d in zip(keys, drafters):
+            if d is not None:
+                self._acceptance(key, d)  # a row's drafts count in its drafter's pool from its first round
         if self.fixed is not None or all(d is None for d in drafters):
             return [min(self.k_max, room) if d is not None else 0 for d, room in zip(drafters, rooms)]
         k = self._one(keys, drafters) if len(keys) == 1 else self._batch(keys, drafters)
@@ -288,6 +306,8 @@ class Policy:
                 self.draft_cost[drafter] = ema(self.draft_cost.get(drafter), t / steps, DECAY)
         for key, k, n in zip(keys, ks, accepted):
             if k:
-                self.acceptance.setdefault(key, Acceptance()).update(k, n)
-                if key in self.owner:
-                    self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
+                self.acceptance[key].update(k, n)
+                self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
+
+
+_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> {settings: Policy}

@@ -112,7 +112,7 @@ def chat_pairs(source: str) -> list[dict]:
     return pairs
 
 
-def build_corpus(work: Path) -> None:
+def build_corpus(work: Path, held_out: set[str] = HELD_OUT) -> None:
     data = work / "data"
     if (data / "valid.jsonl").exists():
         return
@@ -123,7 +123,7 @@ def build_corpus(work: Path) -> None:
         if SKIP_DIRS.intersection(path.relative_to(root).parts):
             continue
         source = path.read_text(encoding="utf-8", errors="replace")
-        split = "valid" if path.stem in HELD_OUT else "train"
+        split = "valid" if path.stem in held_out else "train"
         rows[split].append({"text": source})
         rows[split].extend(chat_pairs(source))
         if split == "train":
@@ -366,25 +366,30 @@ def run_commands(work: Path, jobs: dict[str, list[str]], parallel: int = 2) -> N
         time.sleep(1)
 
 
+def distill_argv(work: Path, args: argparse.Namespace, self_data: Path) -> list[str]:
+    """The student distilled from the target on the target's answers (sequence-level
+    distillation) with the forward KL at temperature 1 (what speculative sampling
+    compares) and a little cross-entropy."""
+    return ["distill", "--teacher", str(work / "target-lm"), "--student", str(work / "student-lm"),
+            "--data", str(self_data), "--steps", str(args.distill_steps), "--batch-size", "16", "--seq-len", "128",
+            "--lr", str(DISTILL_LR), "--warmup", str(DISTILL_WARMUP), "--save-every", "50", "--eval-batches", "16",
+            "--temperature", "1", "--alpha", "0.1"]
+
+
 def build_drafters(work: Path, args: argparse.Namespace) -> None:
-    self_data = str(build_self_data(work, args))
+    self_data = build_self_data(work, args)
     target = str(work / "target-lm")
     common = ["--seq-len", "256", "--batch-size", "8", "--save-every", "50", "--eval-batches", "16"]
-    distill = ["distill", "--teacher", target, "--student", str(work / "student-lm"), "--data", self_data,
-               "--steps", str(args.distill_steps), "--batch-size", "16", "--seq-len", "128",
-               "--lr", str(DISTILL_LR), "--warmup", str(DISTILL_WARMUP), "--save-every", "50", "--eval-batches", "16"]
-    drafter = [*common, "--data", self_data, "--target", target, "--lr", "1e-3", "--warmup", "20"]
+    drafter = [*common, "--data", str(self_data), "--target", target, "--lr", "1e-3", "--warmup", "20"]
     # Longest first, two at a time.
     run_commands(work, {
         "eagle3": ["train", "eagle3", *drafter, "--steps", str(args.eagle_steps), "--ttt-steps", "3"],
         # Four of the eight layers: the block is filled from the target's features alone.
         "dflash": ["train", "dflash", *drafter, "--steps", str(args.dflash_steps), "--block-size", str(args.block_size),
                    "--target-layers", "1,3,5,7"],
-        # On the target's answers (sequence-level distillation) with the forward KL at temperature 1
-        # (what speculative sampling compares) and a little cross-entropy.
-        "student": [*distill, "--temperature", "1", "--alpha", "0.1"],
+        "student": distill_argv(work, args, self_data),
         # A copy of the target tuned for early exit, for `--model demo-layerskip --drafter layerskip`.
-        "layerskip": ["train", "layerskip", *common, "--data", self_data, "--target", target,
+        "layerskip": ["train", "layerskip", *common, "--data", str(self_data), "--target", target,
                       "--steps", str(args.layerskip_steps), "--lr", "3e-4", "--warmup", "10"],
         "medusa": ["train", "medusa", *drafter, "--steps", str(args.medusa_steps), "--heads", "4"],
         "mtp-heads": ["train", "mtp-heads", *drafter, "--steps", str(args.mtp_steps), "--heads", "2"],

@@ -213,6 +213,8 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     report = json.loads(proc.stdout)
     assert report["bound_tps"] is None and spec["of_bound"] is None  # a tiny model's weights fit in the caches
     assert report["dtype"] == "float32" and all(r["peak_memory_mb"] > 0 for r in rows)
+    overhead = report["round_overhead"]  # a drafter that costs nothing: the round's own work beside the forward
+    assert overhead["k"] == 4 and overhead["forward_ms"] > 0 and overhead["round_ms"] > 0
 
     out, png = tmp_path / "report.json", tmp_path / "plot.png"
     proc = run("bench", "--model", path, "--prompts", str(prompts), "--drafters", "lookup:num-draft=2",
@@ -221,6 +223,7 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "mlx-spec lookup:num-draft=2" in proc.stdout and "B=3" in proc.stdout
     assert "the weights fit in this machine's caches, so no memory-bandwidth bound applies" in proc.stdout
+    assert "a round's host work (policy, acceptance, cache cuts, commits):" in proc.stdout
     report = json.loads(out.read_text())
     assert report["prompts"] == 2
     assert {(r["name"], r["batch"]) for r in report["concurrency"]} == {

@@ -3,7 +3,9 @@
 import mlx.core as mx
 import pytest
 
-from mlx_spec.decoding import Decoder, plain_steps
+from mlx_spec import api
+from mlx_spec.bench import _Free
+from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config
 from mlx_spec.drafters.lookup import PromptLookup
@@ -79,6 +81,22 @@ def test_batch_policy_turns_speculation_off_where_plain_rounds_are_faster():
     # Drafts that pay: speculation stays on, plain rounds only to measure them.
     on = policy_rounds(0.8)
     assert sum(k > 0 for k in on) > 0.85 * len(on)
+
+
+def test_a_drafter_that_does_not_pay_is_not_tried_at_its_most_again():
+    # The demo's target (a verification of 9 tokens costs more than one) and drafts that are never right:
+    # the first sequence starts at K = 8 and learns; the next ones, with the same drafter at the same
+    # temperature, start from what it learnt, and stay exact.
+    target, never = api.load("demo").model, _Free()
+    firsts = []
+    for prompt in PROMPTS[:2] * 2:
+        events = list(speculative_steps(target, prompt, GREEDY, 24, never))
+        assert [t for e in events for t in e.tokens] == alone(target, prompt, 24)
+        firsts.append(len(events[0].drafted))
+    assert firsts[0] == 8 and max(firsts[1:]) < 8
+    # Another temperature has its own acceptance: it starts optimistic again.
+    events = speculative_steps(target, PROMPTS[0], SamplingParams(temp=1.0), 16, never)
+    assert len(next(events).drafted) == 8
 
 
 def test_self_speculation_is_refused(target):

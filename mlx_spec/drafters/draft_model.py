@@ -49,6 +49,7 @@ class DraftModel(RowStates):
         # Reuse what the cache shares with the new prompt (an earlier chat turn).
         # The last prompt token is always fed again, for its logits.
         self._keep(b, min(common_prefix(self.cached[b], prompt), len(prompt) - 1))
+        self.base[b] = len(self.cached[b])  # a plain round may come first: its commit compares from here
         return cached
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
