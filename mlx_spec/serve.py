@@ -7,23 +7,38 @@ Request fields: `temperature`, `top_p`, `top_k`, `min_p`, `max_tokens` (or
 `top_logprobs`); for chat also message content as a list of text parts,
 `tools` and `tool_choice` ("auto" or "none"), `chat_template_kwargs` and
 `enable_thinking`. Other fields are accepted and ignored, as OpenAI's clients
-send several. Responses carry `usage` and, in `mlx_spec`, how the drafter did.
+send several, but those that would change the answer (`n`, `best_of`, `echo`,
+`suffix`, the penalties, `logit_bias`, `response_format`) are refused unless
+neutral. Responses carry `usage` and, in `mlx_spec`, how the drafter did.
 
 HTTP requests are handled on threads; every MLX call runs on one engine thread
 that owns the model and a `Decoder`: requests join the batch between
 rounds and leave as they finish (continuous batching), each row with its own
 drafter session. The waiting queue is bounded (503 when full) and each request
 has a deadline (`--timeout`), after which it ends with what it has
-(`finish_reason` "length", `mlx_spec.timed_out`); a streaming client that goes
-away ends its request. A `seed` seeds the sampler when its request joins:
+(`finish_reason` "length", `mlx_spec.timed_out`); a client that goes away
+(streaming or not) ends its request at the next round. A `seed` seeds the sampler when its request joins:
 reproducible when it runs alone.
+
+Hostile clients: a read timeout on every connection (half-open ones are closed),
+a bounded number of connections (then 503), a body that must come whole with a
+truthful Content-Length, and every field checked before the engine sees it. A
+row that fails ends alone with an error; the batch goes on. SIGINT and SIGTERM
+stop the server: requests in flight end with a 503 error, the engine finishes
+its round, `serve` returns.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import math
 import queue
+import re
+import select
+import signal
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +53,12 @@ from mlx_spec.metrics import Metrics, TokenLogprob
 from mlx_spec.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_BODY = 8 * 2**20
+READ_TIMEOUT = 30.0  # seconds a connection may keep the server waiting for its next bytes
+POLL = 0.25  # seconds between checks that a client waiting for its answer is still connected
+# OpenAI fields this server does not implement, accepted only at the value that changes nothing
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0,
+           "logit_bias": {}, "response_format": {"type": "text"}}
 # apply_chat_template's own parameters: set by the server, not template variables a request may pass
 TEMPLATE_PARAMETERS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -45,7 +66,7 @@ TEMPLATE_PARAMETERS = {"conversation", "tools", "documents", "chat_template", "a
 
 
 class BadRequest(Exception):
-    """A request we refuse, with its HTTP status."""
+    """A request we refuse (or, status 5xx, cannot answer), with its HTTP status."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
@@ -66,21 +87,27 @@ class Request:
     tools: bool = False  # tool calls are parsed out of the answer
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
-    # ("text", str, [(offset, TokenLogprob)]) ... then ("done", dict), or ("error", str)
+    # ("text", str, [(offset, TokenLogprob)]) ... then ("done", dict), or ("error", str, HTTP status)
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False  # its client went away
 
 
+def _shown(value) -> str:
+    """A client's value in an error message, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _number(body: dict, name: str, default, low: float, high: float | None, integer: bool = False):
-    """`body[name]` checked to be a number in [low, high] (no upper bound when `high` is None)."""
+    """`body[name]` checked to be a finite number in [low, high] (no upper bound when `high` is None)."""
     value = body.get(name, default)
     if value is None:
         return default
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
     if not ok or isinstance(value, bool) or value < low or (high is not None and value > high):
         kind = "an integer" if integer else "a number"
         where = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise BadRequest(f"'{name}' must be {kind} {where}, got {json.dumps(value)}")
+        raise BadRequest(f"'{name}' must be {kind} {where}, got {_shown(value)}")
     return value
 
 
@@ -108,7 +135,7 @@ def _text(content, where: str) -> str:
     texts = []
     for name, part in _objects(content, where, "a string or a list of {'type': 'text', 'text': ...} parts"):
         if part.get("type") != "text":
-            raise BadRequest(f"'{name}.type' must be 'text', got {json.dumps(part.get('type'))}: "
+            raise BadRequest(f"'{name}.type' must be 'text', got {_shown(part.get('type'))}: "
                              "this server reads text only")
         if not isinstance(part.get("text"), str):
             raise BadRequest(f"'{name}.text' must be a string")
@@ -160,13 +187,13 @@ def _tools(body: dict) -> list[dict] | None:
     """The request's function tools, checked; None when none are to be offered (`tool_choice` "none")."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise BadRequest(f"'tool_choice' must be 'auto' or 'none', got {json.dumps(choice)}: "
+        raise BadRequest(f"'tool_choice' must be 'auto' or 'none', got {_shown(choice)}: "
                          "this server does not force tool calls")
     if tools is None:
         return None
     for name, tool in _objects(tools, "tools", "a list of {'type': 'function', 'function': {...}} objects"):
         if tool.get("type") != "function":
-            raise BadRequest(f"'{name}.type' must be 'function', got {json.dumps(tool.get('type'))}")
+            raise BadRequest(f"'{name}.type' must be 'function', got {_shown(tool.get('type'))}")
         fn = _function(tool.get("function"), f"{name}.function")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise BadRequest(f"'{name}.function.parameters' must be a JSON Schema object")
@@ -216,6 +243,9 @@ def parse_request(body, chat: bool, tokenizer, context: int, max_tokens_limit: i
 
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] != neutral:
+            raise BadRequest(f"'{name}' is not supported by this server: leave it out (or at {_shown(neutral)})")
     tools = None
     if chat:
         messages, tools = _messages(body), _tools(body)
@@ -240,9 +270,8 @@ def parse_request(body, chat: bool, tokenizer, context: int, max_tokens_limit: i
     if len(prompt) + max_tokens > context:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) plus '{name}' ({max_tokens}) exceeds the "
                          f"context of {context} tokens")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
         raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings")
     stream = bool(_flag(body, "stream"))
@@ -312,6 +341,17 @@ class Live:
         }))
 
 
+def _log(message: str) -> None:
+    print(f"mlx-spec serve: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+SHUTTING_DOWN = ("error", "the server is shutting down", 503)
+
+
 class Engine:
     """The one thread that runs MLX: admits requests, steps the batch, answers."""
 
@@ -323,25 +363,48 @@ class Engine:
         self.waiting: queue.Queue = queue.Queue(max_queue)
         self.decoder = Decoder(model)
         self.live: dict[str, Live] = {}
-        threading.Thread(target=self._loop, name="mlx-engine", daemon=True).start()
+        self.stopping = False
+        self.lock = threading.Lock()  # no request is queued once the engine has stopped taking them
+        self.thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
+        self.thread.start()
 
     def submit(self, request: Request) -> None:
+        with self.lock:
+            if self.stopping:
+                raise BadRequest("the server is shutting down", 503)
+            try:
+                self.waiting.put_nowait(request)
+            except queue.Full:
+                raise BadRequest("the server is busy: too many requests waiting, try again", 503) from None
+
+    def stop(self) -> None:
+        """End every request with a 503 and wait for the engine thread, which stops between rounds:
+        a thread killed inside an MLX call at interpreter exit aborts the process."""
+        with self.lock:
+            self.stopping = True
         try:
-            self.waiting.put_nowait(request)
+            self.waiting.put_nowait(None)  # wakes an idle engine (a full queue: it is not waiting)
         except queue.Full:
-            raise BadRequest("the server is busy: too many requests waiting, try again", 503) from None
+            pass
+        self.thread.join()
 
     def _admit(self) -> None:
-        while len(self.live) < self.max_batch:
+        while len(self.live) < self.max_batch and not self.stopping:
             try:
                 request = self.waiting.get(block=not self.live)
             except queue.Empty:
                 return
-            if request.seed is not None:
-                mx.random.seed(request.seed)
-            self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, self.drafter,
-                             logprobs=request.logprobs)
-            self.live[request.id] = Live(request, self.tokenizer)
+            if request is None or request.cancelled:
+                continue
+            try:
+                if request.seed is not None:
+                    mx.random.seed(request.seed)
+                live = Live(request, self.tokenizer)
+                self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, self.drafter,
+                                 logprobs=request.logprobs)
+                self.live[request.id] = live
+            except Exception as e:
+                self._fail(request, e)
 
     def _end(self, key: str, reason: str, timed_out: bool = False) -> None:
         live = self.live.pop(key)
@@ -349,30 +412,83 @@ class Engine:
             self.decoder.remove(key)
         live.finish(reason, timed_out)
 
+    def _answer(self, key: str, event, now: float) -> None:
+        live = self.live[key]
+        live.metrics.add(event)
+        reason = live.feed(event.tokens, event.logprobs)
+        if reason is not None:
+            self._end(key, reason)
+        elif now > live.request.deadline:
+            self._end(key, "length", timed_out=True)
+        else:
+            live.flush(final=False)
+
     def _loop(self) -> None:
-        while True:
+        while not self.stopping:
             try:
-                self._admit()
-                events = self.decoder.step()
-                now = time.monotonic()
-                for key, event in events.items():
-                    live = self.live[key]
-                    live.metrics.add(event)
-                    reason = live.feed(event.tokens, event.logprobs)
-                    if reason is not None:
-                        self._end(key, reason)
-                    elif live.request.cancelled:
-                        self._end(key, "cancelled")
-                    elif now > live.request.deadline:
-                        self._end(key, "length", timed_out=True)
-                    else:
-                        live.flush(final=False)
-            except Exception as e:  # fail the requests in flight, keep serving
-                for key in list(self.live):
-                    live = self.live.pop(key)
-                    live.request.out.put(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
-                self.decoder = type(self.decoder)(self.model)
-                self.drafter = self.drafter.new_session() if self.drafter is not None else None
+                self._round()
+            except Exception as e:
+                # The batched step: one forward for every row, one cache, the drafters' shared state.
+                # Whose fault it was cannot be told, nor what it left behind: every row fails, the batch starts anew.
+                self._reset(e)
+        for key in list(self.live):
+            self.live.pop(key).request.out.put(SHUTTING_DOWN)
+        while not self.waiting.empty():
+            request = self.waiting.get_nowait()
+            if request is not None:
+                request.out.put(SHUTTING_DOWN)
+
+    def _round(self) -> None:
+        self._admit()
+        for key in [key for key, live in self.live.items() if live.request.cancelled]:
+            self._guarded(key, self._end, "cancelled")
+        if self.live:
+            events = self.decoder.step()
+            now = time.monotonic()
+            for key, event in events.items():
+                self._guarded(key, self._answer, event, now)
+
+    def _guarded(self, key: str, work, *args) -> None:
+        """`work(key, *args)`: what it raises ends that row alone."""
+        request = self.live[key].request
+        try:
+            work(key, *args)
+        except Exception as e:
+            self._fail(request, e)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """`request` ends with a 500 error; the batch goes on without its row where the decoder
+        and drafter are left consistent, and starts anew where they are not."""
+        _log(f"request {request.id} failed: {_one_line(error)}")
+        self.live.pop(request.id, None)
+        request.out.put(("error", f"the server failed on this request ({_one_line(error)})", 500))
+        try:
+            if any(r.key == request.id for r in self.decoder.rows):
+                self.decoder.remove(request.id)
+            intact = self._intact()
+        except Exception:
+            intact = False
+        if not intact:
+            self._reset(error)
+
+    def _intact(self) -> bool:
+        """Whether the decoder's rows, its cache's and the drafter's agree; a row that failed to
+        join may have left the drafter a last row of its own, dropped here."""
+        n, drafter = len(self.decoder.rows), self.drafter
+        if drafter is not None:
+            if drafter.rows > max(n, 1):
+                drafter.remove(drafter.rows - 1)
+            drafter.bind(self.decoder.cache)
+        return ((n == 0 or all(c.rows == n for c in self.decoder.cache))
+                and (drafter is None or drafter.rows == n or (n == 0 and drafter.rows <= 1)))
+
+    def _reset(self, error: Exception) -> None:
+        """Every request in flight fails; a new batch and drafter session serve the next ones."""
+        _log(f"the batch failed, {len(self.live)} requests with it: {_one_line(error)}")
+        for key in list(self.live):
+            self.live.pop(key).request.out.put(("error", f"the server failed on this batch ({_one_line(error)})", 500))
+        self.decoder = type(self.decoder)(self.model)
+        self.drafter = self.drafter.new_session() if self.drafter is not None else None
 
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -492,7 +608,7 @@ class Response:
         entries: list = []  # log-probabilities not given out yet: they go with the next chunk
         for message in messages:
             if message[0] == "error":
-                yield {"error": {"message": message[1], "type": "server_error", "code": 500}}
+                yield {"error": {"message": message[1], "type": "server_error", "code": message[2]}}
                 return
             entries += message[2] if message[0] == "text" else []
             for what, value in self._split(message):
@@ -516,11 +632,11 @@ class Response:
                 return
 
     def whole(self, messages: Iterable[tuple]) -> dict:
-        """The response body; an error from the engine raises `RuntimeError` with its message."""
+        """The response body; an error from the engine raises `BadRequest` with its message and status."""
         text, calls, entries = [], [], []
         for message in messages:
             if message[0] == "error":
-                raise RuntimeError(message[1])
+                raise BadRequest(message[1], message[2])
             entries += message[2] if message[0] == "text" else []
             for what, value in self._split(message):
                 if what == "content":
@@ -543,28 +659,25 @@ class Response:
         return {**self._body(kind, choice), "usage": done["usage"], "mlx_spec": done["mlx_spec"]}
 
 
-def messages_of(request: Request) -> Iterator[tuple]:
-    """The engine's messages for `request`, up to its last ("done" or "error")."""
-    while True:
-        message = request.out.get()
-        yield message
-        if message[0] != "text":
-            return
-
-
 def make_handler(engine: Engine, model_name: str, tokenizer, context: int, max_tokens: int, timeout: float,
-                 defaults: Defaults = Defaults()):
+                 defaults: Defaults = Defaults(), read_timeout: float = READ_TIMEOUT):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = read_timeout  # of every read and write on the connection: a half-open one is closed, not kept
 
-        def log_message(self, format, *args) -> None:  # quiet: one line per request is noise here
+        def log_request(self, code="-", size="-") -> None:  # quiet: one line per request is noise here
             pass
+
+        def log_message(self, format, *args) -> None:  # what went wrong (a timeout, a malformed request line)
+            _log(f"{self.address_string()}: {format % args}")
 
         def _json(self, status: int, payload: dict) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -581,32 +694,95 @@ def make_handler(engine: Engine, model_name: str, tokenizer, context: int, max_t
             else:
                 self._error(404, f"no such endpoint: GET {self.path}")
 
+        def _body(self):
+            """The JSON body, read whole."""
+            if self.headers.get("Transfer-Encoding") is not None:
+                raise BadRequest("'Transfer-Encoding' is not read: send the body with a 'Content-Length'", 411)
+            lengths = set(self.headers.get_all("Content-Length") or [])
+            if not lengths:
+                raise BadRequest("'Content-Length' is required", 411)
+            value = lengths.pop().strip()
+            if lengths or not re.fullmatch(r"[0-9]{1,12}", value):
+                raise BadRequest(f"'Content-Length' must be one non-negative integer, got {_shown(value)}")
+            length = int(value)
+            if length > MAX_BODY:
+                raise BadRequest(f"'Content-Length' is {length}: a body may have at most {MAX_BODY // 2**20} MiB", 413)
+            try:
+                data = self.rfile.read(length)
+            except TimeoutError:
+                raise BadRequest(f"the body did not come: 'Content-Length' says {length} bytes, and nothing "
+                                 f"came for {self.timeout:g} s", 408) from None
+            if len(data) < length:
+                raise BadRequest(f"the body has {len(data)} bytes, fewer than its 'Content-Length' of {length}")
+            try:
+                body = json.loads(data or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequest(f"the body is not valid JSON ({e})") from None
+            except RecursionError:
+                raise BadRequest("the body is nested too deeply") from None
+            return body
+
         def do_POST(self) -> None:
             chat = self.path == "/v1/chat/completions"
-            if not chat and self.path != "/v1/completions":
-                self._error(404, f"no such endpoint: POST {self.path}")
-                return
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > 8 * 2**20:
-                    raise BadRequest("the body is larger than 8 MiB", 413)
+                if not chat and self.path != "/v1/completions":
+                    self.close_connection = True  # its body is not read
+                    raise BadRequest(f"no such endpoint: POST {self.path}", 404)
                 try:
-                    body = json.loads(self.rfile.read(length) or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise BadRequest(f"the body is not valid JSON ({e})") from None
-                request = parse_request(body, chat, tokenizer, context, max_tokens, timeout, defaults)
+                    body = self._body()
+                except BadRequest:
+                    self.close_connection = True  # where the next request would begin is unknown
+                    raise
+                try:
+                    request = parse_request(body, chat, tokenizer, context, max_tokens, timeout, defaults)
+                except RecursionError:  # a body just shallow enough for json.loads
+                    raise BadRequest("the body is nested too deeply") from None
                 engine.submit(request)
             except BadRequest as e:
                 self._error(e.status, str(e))
                 return
+            self.server.answering.add(request.id)
             response = Response(request, model_name, tokenizer)
-            if request.stream:
-                self._stream(request, response)
-            else:
+            try:
+                if request.stream:
+                    self._stream(request, response)
+                else:
+                    self._json(200, response.whole(self._messages(request)))
+            except BadRequest as e:
+                self._error(e.status, str(e))
+            except (ConnectionError, TimeoutError) as e:
+                request.cancelled = True  # the engine ends it at its next round
+                self.close_connection = True
+                _log(f"{self.address_string()}: the client went away ({type(e).__name__}); request {request.id} ends")
+            finally:
+                self.server.answering.discard(request.id)
+
+        def _messages(self, request: Request) -> Iterator[tuple]:
+            """The engine's messages for `request`, up to its last ("done" or "error"); a client that
+            closes its connection meanwhile raises `ConnectionAbortedError`."""
+            while True:
                 try:
-                    self._json(200, response.whole(messages_of(request)))
-                except RuntimeError as e:
-                    self._error(500, str(e))
+                    message = request.out.get(timeout=POLL)
+                except queue.Empty:
+                    message = None
+                if message is None or message[0] == "text":
+                    if self._gone():
+                        raise ConnectionAbortedError("the client closed its connection")
+                if message is not None:
+                    yield message
+                    if message[0] != "text":
+                        return
+
+        def _gone(self) -> bool:
+            """Whether the client has closed its connection (a read would return nothing at once)."""
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            try:
+                return not self.connection.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, TimeoutError):
+                return False
+            except OSError:
+                return True
 
         def _stream(self, request: Request, response: Response) -> None:
             self.send_response(200)
@@ -615,32 +791,60 @@ def make_handler(engine: Engine, model_name: str, tokenizer, context: int, max_t
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
-            try:
-                for payload in response.chunks(messages_of(request)):
-                    self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-                    self.wfile.flush()
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                request.cancelled = True  # the engine ends it at its next round
+            for payload in response.chunks(self._messages(request)):
+                self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
 
     return Handler
 
 
 class Server(ThreadingHTTPServer):
+    """A thread per connection, and at most `max_connections` of them: beyond, a 503 at once."""
+
     # Clients that connect at once wait in the listen backlog (socketserver's 5 drops some).
     request_queue_size = 256
     daemon_threads = True
+    BUSY = json.dumps({"error": {"message": "the server is busy: too many connections, try again",
+                                 "type": "server_error", "code": 503}}).encode()
+
+    def __init__(self, address: tuple[str, int], handler, max_connections: int):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.answering: set[str] = set()  # the requests whose answers are being sent
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(self.BUSY), self.BUSY))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):  # a client gone: one line, not a traceback
+            _log(f"{client_address[0]}: the client went away ({type(error).__name__})")
+        else:
+            super().handle_error(request, client_address)
 
 
 def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: str | None = None,
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None, *, drafter_revision: str | None = None,
           extra_eos: Sequence[str] = (), adapter_path: str | None = None, system: str = "",
-          template_args: dict | None = None) -> None:
-    """Load the model and drafter, then serve until interrupted. `system` and
-    `template_args` are what a request gets where it says nothing else (a system
-    message first; the chat template's arguments under the request's own)."""
+          template_args: dict | None = None, read_timeout: float = READ_TIMEOUT) -> None:
+    """Load the model and drafter, then serve until SIGINT or SIGTERM (or `shutdown()` of the server
+    appended to `servers`). `system` and `template_args` are what a request gets where it says nothing
+    else (a system message first; the chat template's arguments under the request's own)."""
     from mlx_spec import api
 
     api.check_published(drafter_spec, model_name)
@@ -652,15 +856,35 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
                         "sequence at a time; serve another drafter")
     engine = Engine(model, tokenizer, drafter, max_batch, max_queue)
     context = model.args.max_position_embeddings
-    handler = make_handler(engine, model_name, tokenizer, context, max_tokens, timeout, Defaults(system, template_args or {}))
+    handler = make_handler(engine, model_name, tokenizer, context, max_tokens, timeout,
+                           Defaults(system, template_args or {}), read_timeout)
     try:
-        server = Server((host, port), handler)
+        # Room for every request the engine holds, and some for health checks and idle keep-alive clients.
+        server = Server((host, port), handler, max_connections=max_batch + max_queue + 64)
     except OSError as e:
+        engine.stop()
         raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+    def on_signal(number: int, frame) -> None:
+        _log(f"{signal.Signals(number).name}: stopping; requests in flight end with an error")
+        threading.Thread(target=server.shutdown).start()  # it waits for serve_forever, on this very thread
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()  # (only there can handlers be set)
+    previous = [signal.signal(s, on_signal) for s in signals] if main else []
     if servers is not None:
         servers.append(server)
     if ready is not None:
         ready.set()
     print(f"mlx-spec serving {model_name} (drafter: {drafter_spec}) on http://{host}:{server.server_port}/v1",
           flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()  # no new connections
+        for s, old in zip(signals, previous):  # a second signal interrupts at once
+            signal.signal(s, old)
+        engine.stop()
+        waited = time.monotonic() + 5  # the last words of the answers in flight (bounded: a client may not read)
+        while server.answering and time.monotonic() < waited:
+            time.sleep(0.01)
