@@ -9,7 +9,13 @@
   pickle can call any function on load); each tensor's bytes are memory-mapped
   and copied into an MLX array when the weight is looked up.
 
-Every problem is a one-line `UserError` naming the file (and the tensor).
+Files are untrusted and checked before anything is built or allocated from them:
+a pickle's opcodes are walked first (nesting, expansion, memo indices), zip
+records must be stored, not compressed, a tensor must lie within its storage
+without overlapping itself (so reading it takes at most the storage's bytes), and
+a safetensors header's ranges must lie apart within the file, each as long as its
+dtype and shape need. Every problem is a one-line `UserError` naming the file (and
+the tensor).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import collections
 import io
 import json
 import math
+import mmap
 import pickle
+import pickletools
 import struct
 import zipfile
 from collections import ChainMap
@@ -85,8 +93,87 @@ def _read_sharded(
 # ---------------------------------------------------------------- safetensors
 
 
+# Bytes per element of each dtype `mx.load` reads from safetensors.
+_SAFETENSORS_ITEMSIZE = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E8M0"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "C64"), 8),
+}
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # which of the two mx.load would use is not ours to guess
+            raise ValueError(f"key '{key:.60}' appears twice")
+        out[key] = value
+    return out
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header, read with a bounded read, must describe tensors that lie apart
+    inside the file, each with as many bytes as its dtype and shape need (mx.load
+    accepts overlapping ranges)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little")
+            if len(head) < 8 or length > min(size - 8, _MAX_HEADER):
+                raise UserError(f"{path}: not a safetensors file (a header of {length} bytes in a file of {size})")
+            raw = f.read(length)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise UserError(f"{path}: not a safetensors file (its header is not JSON: {e})".splitlines()[0]) from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    if not (metadata is None or isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise UserError(f"{path}: header '__metadata__' is not a map of strings")
+    data = size - 8 - length
+    spans = sorted((*_safetensors_span(f"{path}: tensor '{name:.100}'", entry, data), name) for name, entry in header.items())
+    spans = [span for span in spans if span[0] < span[1]]  # empty tensors take no bytes
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise UserError(f"{path}: tensor '{second:.100}' overlaps tensor '{first:.100}' (data_offsets)")
+
+
+def _safetensors_span(where: str, entry: Any, data: int) -> tuple[int, int]:
+    """A header entry's byte range in the data (`data` bytes after the header), checked."""
+    entry = entry if isinstance(entry, dict) else {}
+    dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets"))
+    if not (
+        isinstance(dtype, str)
+        and isinstance(shape, list)
+        and all(type(n) is int for n in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(n) is int for n in offsets)
+    ):
+        raise UserError(f"{where}: not a tensor entry (dtype, shape, data_offsets)")
+    if dtype not in _SAFETENSORS_ITEMSIZE:
+        raise UserError(f"{where}: dtype '{dtype:.20}' is not supported")
+    if any(n < 0 for n in shape):
+        raise UserError(f"{where}: negative shape {shape}")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise UserError(f"{where}: data_offsets {offsets} are not a range")
+    if end > data:
+        raise UserError(f"{where}: data_offsets {offsets} run past the end of the data ({data} bytes)")
+    need = math.prod(shape) * _SAFETENSORS_ITEMSIZE[dtype]
+    if end - begin != need:
+        raise UserError(f"{where}: holds {end - begin} bytes, but {dtype} {shape} needs {need}")
+    return begin, end
+
+
 def read_safetensors_file(path: Path) -> dict[str, mx.array]:
     """One `.safetensors` file (bf16 included); loading is lazy."""
+    _check_safetensors(path)
     try:
         return mx.load(str(path), format="safetensors")
     except (RuntimeError, ValueError, OSError) as e:
@@ -216,11 +303,69 @@ _GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+_MAX_DEPTH = 64  # as counted below, torch.save's state dicts nest 7 to 9 deep
+_MAX_NODES = 10_000_000  # objects one object may expand to, a shared one counted each time it is used
+_IN_PLACE = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"}  # fill the object below
+
+
+def _checked_pickle(stream: BinaryIO, path: Path) -> bytes:
+    """The next pickle's bytes (`stream` is left just past it), its opcodes walked
+    first without building anything. Each object's nesting depth and size are
+    tracked as the unpickler's stack would hold them: hashing a 10**6-deep key
+    overflows the C stack, hashing a memo-shared tuple of 2**100 leaves never ends,
+    and a memo index of 2**32 makes the unpickler allocate its memo table for it.
+    `stream.read(n)` must return at most what is there (a file's `read(n)`
+    allocates n bytes first; an mmap or BytesIO does not): a declared length is
+    checked by reading it."""
+    start = stream.tell()
+    stack: list[tuple[int, int]] = []  # (depth, objects) of each object on the unpickler's stack
+    marks: list[int] = []  # where each MARK is on it (the unpickler too keeps marks apart)
+    memo: dict[int, tuple[int, int]] = {}
+    try:
+        for count, (op, arg, _) in enumerate(pickletools.genops(stream)):
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                index = len(memo) if op.name == "MEMOIZE" else arg
+                if index > count:  # picklers number memo entries from 0, one per object
+                    raise UserError(f"{path}: pickle memo index {index} is out of range")
+                memo[index] = stack[-1]
+                continue
+            if op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+                stack.append(stack[-1] if op.name == "DUP" else memo[arg])
+                continue
+            popped: list[tuple[int, int]] = []
+            for kind in reversed(op.stack_before):
+                if kind is pickletools.stackslice:  # the objects above the last mark
+                    at = marks.pop()
+                    popped += stack[at:]
+                    del stack[at:]
+                elif kind is not pickletools.markobject:  # (the mark of that slice)
+                    popped.append(stack.pop())
+            depths, sizes = zip(*popped) if popped else ((), ())
+            if op.name in _IN_PLACE:  # the object filled, popped last, stays
+                depth, size = max(depths[-1], 1 + max(depths[:-1], default=0)), sum(sizes)
+            else:
+                depth, size = 1 + max(depths, default=0), 1 + sum(sizes)
+            if depth > _MAX_DEPTH:
+                raise UserError(f"{path}: pickle nests deeper than {_MAX_DEPTH} levels (a state dict, under 10)")
+            if size > _MAX_NODES:
+                raise UserError(f"{path}: pickle expands to more than {_MAX_NODES} objects (shared references)")
+            for kind in op.stack_after:
+                if kind is pickletools.markobject:
+                    marks.append(len(stack))
+                else:
+                    stack.append((depth, size))
+    except (ValueError, KeyError, IndexError) as e:  # not a well-formed pickle
+        raise UserError(f"{path}: not a valid PyTorch pickle ({type(e).__name__}: {e})".splitlines()[0]) from None
+    end = stream.tell()
+    stream.seek(start)
+    return stream.read(end - start)
+
+
 class _Unpickler(pickle.Unpickler):
     """Rebuilds plain containers and tensor references; refuses any other global."""
 
-    def __init__(self, file: BinaryIO, path: Path, legacy: bool):
-        super().__init__(file)
+    def __init__(self, stream: BinaryIO, path: Path, legacy: bool):
+        super().__init__(io.BytesIO(_checked_pickle(stream, path)))
         self.path = path
         self.legacy = legacy
         self.storages: dict[str, _Storage] = {}
@@ -273,40 +418,49 @@ def _tensor_refs(obj: Any, path: Path) -> dict[str, _TensorRef]:
 _Span = tuple[int, int]  # (byte offset in the file, byte length) of a storage
 
 
+def _stored_span(f: BinaryIO, size: int, info: zipfile.ZipInfo, path: Path) -> _Span:
+    """Where a zip record's bytes lie in the file. torch.save stores records as they
+    are, so a compressed one (a zip bomb unpacks a few MiB to GiBs) is refused unread."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise UserError(f"{path}: record '{info.filename}' is compressed; torch.save stores records as they are")
+    # The data follows the local header, whose name and extra fields vary.
+    f.seek(info.header_offset)
+    header = f.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise UserError(f"{path}: corrupt zip archive (bad local header for '{info.filename}')")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > size:
+        raise UserError(f"{path}: truncated (record '{info.filename}' is cut off)")
+    return start, info.file_size
+
+
 def _zip_spans(path: Path) -> tuple[dict[str, _TensorRef], dict[str, _Span]]:
     """`torch.save`'s zip format: `<dir>/data.pkl` plus one stored record per storage."""
     try:
         with zipfile.ZipFile(path) as zf:
             infos = {i.filename: i for i in zf.infolist()}
-            pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
-            if len(pkls) != 1:
-                raise UserError(f"{path}: zip archive without one '<dir>/data.pkl': not a torch.save file")
-            prefix = pkls[0][: -len("data.pkl")]
-            if infos.get(prefix + "byteorder") and zf.read(prefix + "byteorder") != b"little":
-                raise UserError(f"{path}: big-endian checkpoint; only little-endian is supported")
-            unpickler = _Unpickler(io.BytesIO(zf.read(pkls[0])), path, legacy=False)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
         raise UserError(f"{path}: truncated or corrupt zip archive ({e})".splitlines()[0]) from None
-    refs = _tensor_refs(unpickler.read(), path)
-    spans: dict[str, _Span] = {}
+    pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkls) != 1:
+        raise UserError(f"{path}: zip archive without one '<dir>/data.pkl': not a torch.save file")
+    prefix = pkls[0][: -len("data.pkl")]
     size = path.stat().st_size
     with open(path, "rb") as f:
-        for key in unpickler.storages:
-            info = infos.get(f"{prefix}data/{key}")
-            if info is None:
-                continue  # reported with the tensor that needs it
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise UserError(f"{path}: record '{info.filename}' is compressed; torch.save stores records as they are")
-            # The data follows the local header, whose name and extra fields vary.
-            f.seek(info.header_offset)
-            header = f.read(30)
-            if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                raise UserError(f"{path}: corrupt zip archive (bad local header for '{info.filename}')")
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            start = info.header_offset + 30 + name_len + extra_len
-            if start + info.file_size > size:
-                raise UserError(f"{path}: truncated (record '{info.filename}' is cut off)")
-            spans[key] = (start, info.file_size)
+
+        def record(name: str) -> bytes:
+            start, nbytes = _stored_span(f, size, infos[name], path)
+            f.seek(start)
+            return f.read(nbytes)
+
+        if prefix + "byteorder" in infos and record(prefix + "byteorder") != b"little":
+            raise UserError(f"{path}: big-endian checkpoint; only little-endian is supported")
+        unpickler = _Unpickler(io.BytesIO(record(pkls[0])), path, legacy=False)
+        refs = _tensor_refs(unpickler.read(), path)
+        # a missing record is reported with the tensor that needs it
+        records = {key: infos.get(f"{prefix}data/{key}") for key in unpickler.storages}
+        spans = {key: _stored_span(f, size, info, path) for key, info in records.items() if info is not None}
     return refs, spans
 
 
@@ -319,7 +473,8 @@ def _legacy_spans(path: Path) -> tuple[dict[str, _TensorRef], dict[str, _Span]]:
     info, the state dict and the list of storage keys; then each storage as an int64
     element count and its raw bytes, in that list's order."""
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    # mapped, not read: a pickle's declared lengths are untrusted (see _checked_pickle)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as f:
         if _Unpickler(f, path, legacy=True).read() != MAGIC_NUMBER:
             raise UserError(f"{path}: not a PyTorch checkpoint (wrong magic number)")
         version = _Unpickler(f, path, legacy=True).read()
@@ -350,16 +505,29 @@ def _legacy_spans(path: Path) -> tuple[dict[str, _TensorRef], dict[str, _Span]]:
     return refs, spans
 
 
+_MAX_DIM = 2**31 - 1  # MLX shapes are int32
+
+
 def _check_extent(path: Path, name: str, ref: _TensorRef, nbytes: int) -> None:
+    """The tensor lies within its storage and no two of its elements share one, so
+    reading it allocates at most the storage's bytes (checked before anything is read)."""
+    where = f"{path}: tensor '{name}'"
     if ref.offset < 0 or any(n < 0 for n in ref.shape) or any(s < 0 for s in ref.stride):
-        raise UserError(f"{path}: tensor '{name}' has a negative size, stride or offset")
+        raise UserError(f"{where} has a negative size, stride or offset")
+    if any(n > _MAX_DIM for n in ref.shape):
+        raise UserError(f"{where} has shape {ref.shape}, out of range (at most {_MAX_DIM} a dimension)")
     if math.prod(ref.shape) == 0:
         return
-    need = ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride)) + 1
+    reach = 0  # the furthest element the dimensions so far step to, from the first
+    for stride, n in sorted((s, n) for n, s in zip(ref.shape, ref.stride) if n > 1):
+        if stride <= reach:  # a broadcast (stride 0) or rows over one another
+            raise UserError(f"{where} has overlapping strides {ref.stride} for shape {ref.shape} (elements repeat)")
+        reach += (n - 1) * stride
+    need = ref.offset + reach + 1
     have = nbytes // ref.dtype.numpy.itemsize
     if need > have:
         raise UserError(
-            f"{path}: tensor '{name}' needs {need} {ref.dtype.name} elements but its storage "
+            f"{where} needs {need} {ref.dtype.name} elements but its storage "
             f"'{ref.storage.key}' holds {have} (storage too short)"
         )
 
@@ -373,15 +541,15 @@ def _load_tensor(path: Path, name: str, span: _Span, ref: _TensorRef) -> mx.arra
         flat = np.memmap(path, dtype=dtype, mode="r", offset=start, shape=(nbytes // dtype.itemsize,))
         # size/stride/offset as torch gives them: views (transposes, slices) of a
         # shared storage come out as the tensor they were, copied contiguous.
-        view = np.lib.stride_tricks.as_strided(
-            flat[ref.offset :], shape=ref.shape, strides=[s * dtype.itemsize for s in ref.stride]
-        )
-        values = view.copy()  # C order; reads only the bytes the tensor covers
+        # A dimension of size 1 is never stepped over: its stride, which may be anything, is not used.
+        strides = [s * dtype.itemsize if n > 1 else 0 for n, s in zip(ref.shape, ref.stride)]
+        view = np.lib.stride_tricks.as_strided(flat[ref.offset :], shape=ref.shape, strides=strides)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: reading tensor '{name}' failed ({e})".splitlines()[0]) from None
+    # copied in C order, reading only the bytes the tensor covers
     if ref.dtype.mlx == mx.bfloat16:
-        return mx.array(values, dtype=mx.uint16).view(mx.bfloat16)
-    return mx.array(values, dtype=ref.dtype.mlx)  # as is: mx.array would make float64 float32
+        return mx.array(view, dtype=mx.uint16).view(mx.bfloat16)
+    return mx.array(view, dtype=ref.dtype.mlx)  # as is: mx.array would make float64 float32
 
 
 def read_torch_file(path: Path) -> LazyWeights:

@@ -117,3 +117,20 @@ def later_turns_are_exact(target, session, prompt, max_tokens=12) -> list[int]:
         assert out == run(follow_up)  # a fresh plain run
         context = follow_up + out
     return kept[1:]
+
+
+def cli_bounded(*args, address_space: int = 1536 << 20) -> subprocess.CompletedProcess:
+    """`mlx-spec ARGS` under an address-space limit (RLIMIT_AS): an allocation beyond
+    it fails, so a test shows that a small input never takes the machine's memory."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        timeout=120,
+    )
