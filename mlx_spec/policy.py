@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+from mlx_spec import distributed
 from mlx_spec.sampling import SamplingParams
 
 
@@ -148,13 +149,16 @@ class Policy:
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int, fixed: int | None = None) -> Policy:
         """One sequence's policy, as the drafter's earlier sequences at these sampling settings left it (a
-        chat's turns, a benchmark's prompts): the costs, the acceptance and whether drafting pays are known
-        from the first round, so a drafter that does not pay here is not tried at its most K again."""
+        chat's turns, a benchmark's prompts): the costs and the drafter's pooled acceptance are known from
+        the first round, so a drafter that does not pay is not tried at its most K again. What one sequence
+        measured of itself (its rows' acceptance, the rates of its rounds, its probes) starts anew: a prompt
+        lookup that found nothing to copy in one prompt may find much in the next."""
         if drafter is None:
             return cls(k_max, fixed)
         policy = _REMEMBERED.setdefault(drafter, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
-        policy.acceptance.clear()  # a new sequence starts from its drafter's pooled acceptance
+        policy.acceptance.clear()
         policy.owner.clear()
+        policy.by_size = {B: Measured(m.times, m.seen) for B, m in policy.by_size.items()}
         return policy
 
     def measured(self, B: int) -> Measured:
@@ -287,6 +291,7 @@ class Policy:
         produced in `seconds`; per drafter (by id), its drafting time and steps.
         A verification's cost is kept by the K it was chosen for: a tree of that
         depth costs what its width costs."""
+        seconds, verify_time, draft_times = distributed.rank0_times(seconds, verify_time, draft_times)  # K alike
         m = self.measured(len(keys))
         m.best = None
         first = S not in m.seen  # a shape's first round also compiles: not a cost to learn from
