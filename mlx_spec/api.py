@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from mlx_spec import distributed
 from mlx_spec.decoding import speculative_steps
 from mlx_spec.drafters import Drafter, make_drafter
 from mlx_spec.errors import UserError
@@ -55,6 +56,7 @@ def load(model: str = "demo", revision: str | None = None, *, extra_eos: Sequenc
     if adapter_path is not None:
         load_adapters(loaded, Path(adapter_path))
         loaded.compile()
+    distributed.shard(loaded, model)  # under --shard: this rank's share of it
     path = Path(path)
     tokenizer = load_tokenizer(path, model_eos_ids(path))
     add_eos_tokens(tokenizer, extra_eos)
@@ -110,15 +112,19 @@ def drafter(spec: str, target: Target, report: Callable[[str], None] | None = No
 
         net = target_mtp(target.path, target.model)
         check_mtp_fits(net, target.model, f"--drafter {spec}")
-        return MTP(net, target.model)
+        own = MTP(net, target.model)
+        distributed.check_drafter(own, spec)
+        return own
     def prepare(kind: str, source: str, revision: str | None) -> str:
         if source in NON_THINKING and has_thinking_switch(target.tokenizer):
             (report or stderr_line)(f"{source} was trained on answers given without thinking: "
                                     "it drafts best with --no-think")
         return ready(kind, source, revision, target.path, report or stderr_line)
 
-    return make_drafter(spec, target.model, tokenizer=target.tokenizer, target_source=target.name, prepare=prepare,
-                        **flags)
+    built = make_drafter(spec, target.model, tokenizer=target.tokenizer, target_source=target.name, prepare=prepare,
+                         **flags)
+    distributed.check_drafter(built, spec)
+    return built
 
 
 def prompt_ids(target: Target, prompt: str | list[int], chat_template: bool = True,
@@ -143,8 +149,9 @@ def stream(target: Target, prompt: str | list[int], drafter: Drafter | None = No
     result = result if result is not None else Generation(prompt_tokens=ids)
 
     def steps(model, prompt, params, max_tokens):
-        return speculative_steps(model, prompt, params, max_tokens, drafter, num_draft=num_draft,
-                                 acceptance=acceptance)
+        events = speculative_steps(model, prompt, params, max_tokens, drafter, num_draft=num_draft,
+                                   acceptance=acceptance)
+        return distributed.lockstep(events, (prompt, params, max_tokens, num_draft, acceptance))
 
     yield from stream_generate(target.model, target.tokenizer, ids, params or SamplingParams(), max_tokens,
                                result, steps)

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_spec import distributed
 from mlx_spec.cache import trim_cache
 from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft, RowStates
@@ -292,17 +293,18 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     from mlx_spec.models.mlxlm import Model as MLXLMTarget
 
     model = target.model
+    runners: dict[str, Runner] = {PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n)}
+    sharded = distributed.active()  # mlx-lm's rows would run the whole target: not where it is split
     # A target run through mlx-lm's code is its model already (the same weights, read right, in the same dtype);
     # else mlx-lm loads the checkpoint, computing in mlx-spec's dtype (float32 on the CPU, where half precision
     # is not BLAS-backed), so that its rows compare like with like
-    ref_model = model.inner if isinstance(model, MLXLMTarget) else \
-        cast_floating(mlx_lm_load(str(target.path), adapter_path=args.adapter_path)[0], compute_dtype())
-    runners: dict[str, Runner] = {
-        PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n),
-        "mlx-lm": lambda prompt, p, n: _mlx_lm_events(
+    ref_model = None if sharded else (model.inner if isinstance(model, MLXLMTarget) else
+                                      cast_floating(mlx_lm_load(str(target.path), adapter_path=args.adapter_path)[0],
+                                                    compute_dtype()))
+    if not sharded:
+        runners["mlx-lm"] = lambda prompt, p, n: _mlx_lm_events(
             (t, False) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
-        ),
-    }
+        )
     drafters = {PLAIN: None}
     for entry in args.drafters.split(","):
         entry = entry.strip()
@@ -318,7 +320,8 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
 
         runners[f"mlx-spec {entry}"] = spec_run
         drafters[f"mlx-spec {entry}"] = drafter
-        if isinstance(drafter, DraftModel) and not any(name.startswith("mlx-lm ") for name in runners):
+        if isinstance(drafter, DraftModel) and not sharded and \
+                not any(name.startswith("mlx-lm ") for name in runners):
             ref_draft = cast_floating(mlx_lm_load(str(drafter.path))[0], compute_dtype())
             k = args.num_draft or 3
 
@@ -464,6 +467,8 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
     for row, r in zip(reported, rows):  # the peak counts all that is loaded: the drafter's share apart
         row["beyond_plain_mb"] = (r.peak - plain_peak[r.temp]) / 2**20  # its caches and activations
         row["drafter_weights_mb"] = drafter_bytes(drafters.get(r.name), model) / 2**20
+        if distributed.active():
+            row["shard"] = distributed.round_costs(model, r.metrics, drafters.get(r.name))
     return {
         "model": args.model,
         "dtype": str(dtype or weights[0][1].dtype).removeprefix("mlx.core."),
@@ -479,6 +484,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         "concurrency": concurrency,
         "rollback": rollback_cost(model, prompts[0]),
         "round_overhead": round_overhead(model, prompts[0]),
+        "shard": distributed.describe(),
     }
 
 
@@ -528,7 +534,7 @@ def format_report(report: dict) -> str:
             lines.append(f"{name:30} {temp:4.1f} " + " ".join(
                 f"{cells[b]['tps']:8.1f} {cells[b]['ratio_to_plain']:4.2f}x K{cells[b]['mean_k']:3.1f}" if b in cells
                 else f"{'':18}" for b in sizes))
-    return "\n".join(lines + notes)
+    return "\n".join(lines + notes + distributed.report_lines(report))
 
 
 def plot_report(report: dict, out: Path) -> None:

@@ -8,16 +8,59 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlx_spec import distributed
 from mlx_spec import hub
 from mlx_spec.convert import cli as convert_cli
 from mlx_spec.train import cli as train_cli
 from mlx_spec.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad command line is one line too (argparse would print the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+INT_MAX = 2**31 - 1  # MLX holds shapes and positions as 32-bit integers
+SEED_MAX = 2**64 - 1  # what mx.random.seed takes
+
+
+def integer(low: int, high: int = INT_MAX) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+    return parse
+
+
+def real(low: float, high: float = math.inf, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= low (> low where `above`) and <= high."""
+    shown = (f"in {'(' if above else '['}{low:g}, {high:g}]" if high < math.inf
+             else f"{'>' if above else '>='} {low:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be a finite number {shown}, got {text}")
+        return value
+    return parse
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -86,16 +129,17 @@ def _resolve_aliases(args: argparse.Namespace) -> None:
 def _add_draft_aliases(p: argparse.ArgumentParser, drafter: str, num_draft: bool = True) -> None:
     _add_alias(p, "--draft-model", drafter, lambda path: f"draft={path}", "draft=PATH", metavar="PATH")
     if num_draft:
-        _add_alias(p, "--num-draft-tokens", "--num-draft", type=int, metavar="N")
+        _add_alias(p, "--num-draft-tokens", "--num-draft", type=integer(1), metavar="N")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", "-m", type=integer(1), default=256,
+                   help="at most this many tokens (the prompt and these within the model's context)")
+    p.add_argument("--temp", type=real(0), default=0.0, help="temperature; 0 is greedy")
+    p.add_argument("--top-p", type=real(0, 1, above=True), default=1.0)
+    p.add_argument("--top-k", type=integer(0), default=0)
+    p.add_argument("--min-p", type=real(0, 1), default=0.0)
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=None)
 
 
 def _sampling(args: argparse.Namespace):
@@ -103,8 +147,6 @@ def _sampling(args: argparse.Namespace):
 
     from mlx_spec.sampling import SamplingParams
 
-    if args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.seed is not None:
         mx.random.seed(args.seed)
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
@@ -166,17 +208,20 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--drafter", default="none", help=usage())
     _add_drafter_revision(p)
-    p.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round, a tree's depth (default: adaptive)")
-    p.add_argument("--ngram-min", type=int, default=1, help="lookup: shortest n-gram to match")
-    p.add_argument("--ngram-max", type=int, default=4, help="lookup: longest n-gram to match")
+    p.add_argument("--num-draft", type=integer(1), default=None,
+                   help="draft K tokens a round, a tree's depth (default: adaptive)")
+    p.add_argument("--ngram-min", type=integer(1), default=1, help="lookup: shortest n-gram to match")
+    p.add_argument("--ngram-max", type=integer(1), default=4, help="lookup: longest n-gram to match")
     p.add_argument("--tree", default=None, metavar="PATHS_JSON",
                    help="tree drafters: a static tree as a JSON list of paths, or a file holding one "
                         "(default: Medusa's mc_sim_7b_63)")
-    p.add_argument("--tree-budget", "--ddtree-budget", type=int, default=None,
+    p.add_argument("--tree-budget", "--ddtree-budget", type=integer(1), default=None,
                    help="tree drafters: a best-first tree of N nodes (EAGLE: a dynamic EAGLE-2 tree; DFlash: DDTree)")
-    p.add_argument("--block-size", type=int, default=None, help="DFlash: positions per block (default: the drafter's)")
-    p.add_argument("--depth", type=int, default=6, help="EAGLE dynamic trees: the deepest level drafted")
-    p.add_argument("--topk", type=int, default=8, help="EAGLE dynamic trees: nodes expanded, and children each, per level")
+    p.add_argument("--block-size", type=integer(1), default=None,
+                   help="DFlash: positions per block (default: the drafter's)")
+    p.add_argument("--depth", type=integer(1), default=6, help="EAGLE dynamic trees: the deepest level drafted")
+    p.add_argument("--topk", type=integer(1), default=8,
+                   help="EAGLE dynamic trees: nodes expanded, and children each, per level")
     p.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
                    help="typical: Medusa's rule, faster at temperature > 0 but NOT distribution-preserving")
 
@@ -215,14 +260,8 @@ def _drafter(args: argparse.Namespace, target):
     """The drafter the flags ask for (None: plain decoding)."""
     from mlx_spec import api
 
-    if args.num_draft is not None and args.num_draft < 1:
-        raise UserError(f"--num-draft must be >= 1, got {args.num_draft}")
-    if args.tree_budget is not None and args.tree_budget < 1:
-        raise UserError(f"--tree-budget must be >= 1, got {args.tree_budget}")
     if args.tree is not None and args.tree_budget is not None:
         raise UserError("--tree and --tree-budget: give one of them")
-    if args.depth < 1 or args.topk < 1:
-        raise UserError(f"--depth and --topk must be >= 1, got {args.depth}, {args.topk}")
     return api.drafter(args.drafter, target, revision=args.drafter_revision, ngram=(args.ngram_min, args.ngram_max),
                        tree_paths=_tree_paths(args.tree), tree_budget=args.tree_budget, depth=args.depth,
                        topk=args.topk, block_size=args.block_size)
@@ -292,6 +331,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot is not None and not args.plot.endswith(".png"):
         raise UserError(f"--plot {args.plot}: the file must end in .png")
     report = run_bench(args, _template_args(args))
+    if not distributed.leading():
+        return 0  # under --shard, rank 0 alone writes the report
     if args.plot is not None:
         from mlx_spec.bench import plot_report
 
@@ -310,21 +351,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    if args.max_tokens < 1 or args.temp < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--max-tokens must be >= 1, --temp >= 0 and --top-p in (0, 1]")
-    if args.load is not None and not Path(args.load).is_file():
-        raise UserError(f"--load {args.load}: no such file")
+    from mlx_spec.tui import store
+
+    load = Path(args.load) if args.load is not None else None
+    if load is not None:
+        store.load(load)  # a damaged file is refused here, in one line, before the model loads
     loading = dict(template_args=_template_args(args), extra_eos=args.extra_eos_token, adapter_path=args.adapter_path,
                    revision=args.revision, drafter_revision=args.drafter_revision)
     if not sys.stdin.isatty():
         from mlx_spec.tui.lines import run_lines
 
         return run_lines(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens, args.think,
-                         **loading)
+                         saved=load, **loading)
     from mlx_spec.tui.app import ChatApp
 
-    app = ChatApp(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens,
-                  Path(args.load) if args.load else None, args.think, **loading)
+    app = ChatApp(args.model, args.drafter, args.system, args.temp, args.top_p, args.max_tokens, load, args.think,
+                  **loading)
     app.run()
     return app.return_code or 0
 
@@ -333,10 +375,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mlx_spec.serve import serve
     from mlx_spec.tokenizer import thinking_args
 
-    if args.max_batch < 1 or args.max_queue < 1 or args.max_tokens < 1 or args.timeout <= 0:
-        raise UserError("--max-batch, --max-queue and --max-tokens must be >= 1, --timeout > 0")
-    if not 0 <= args.port < 65536:
-        raise UserError(f"--port must be in 0..65535, got {args.port}")
     try:
         serve(args.model, args.drafter, args.host, args.port, args.revision, args.max_batch, args.max_queue,
               args.max_tokens, args.timeout, drafter_revision=args.drafter_revision, extra_eos=args.extra_eos_token,
@@ -355,9 +393,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mlx-spec", description="Speculative decoding and distillation for MLX."
-    )
+    parser = _Parser(prog="mlx-spec", description="Speculative decoding and distillation for MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streamed)")
@@ -374,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter_args(g)
     _add_draft_aliases(g, "--drafter")
     g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
+    distributed.add_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="plain decoding and drafters side by side, and mlx-lm, in one run")
@@ -385,24 +422,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt", default="Write a short story about a fox.", help="one prompt (without --prompts)")
     b.add_argument("--prompts", default=None,
                    help="comma-separated built-in suites (code, chat, copy) or JSONL files of {\"prompt\": TEXT}")
-    b.add_argument("--num-prompts", type=int, default=0, metavar="N", help="the first N prompts of each suite or file")
-    b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--repeats", "--runs", type=int, default=3, help="rounds over every prompt and method")
-    b.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to measure")
+    b.add_argument("--num-prompts", type=integer(0), default=0, metavar="N",
+                   help="the first N prompts of each suite or file")
+    b.add_argument("--max-tokens", type=integer(2), default=128)
+    b.add_argument("--repeats", "--runs", type=integer(1), default=3, help="rounds over every prompt and method")
+    b.add_argument("--temps", type=real(0), nargs="+", default=[0.0], help="temperatures to measure")
     b.add_argument("--no-chat-template", action="store_true", help="feed the prompts as raw text")
     _add_alias(b, "--ignore-chat-template", "--no-chat-template", action="store_const", const=True)
     _add_template_args(b)
     _add_load_args(b, eos=False)  # every method decodes --max-tokens tokens, past any EOS
-    b.add_argument("--num-draft", type=int, default=None, help="draft K tokens a round (default: adaptive)")
+    b.add_argument("--num-draft", type=integer(1), default=None, help="draft K tokens a round (default: adaptive)")
     _add_draft_aliases(b, "--drafters")
     _add_drafter_revision(b)
-    b.add_argument("--tree-budget", type=int, default=None, help="tree drafters: a best-first tree of N nodes")
+    b.add_argument("--tree-budget", type=integer(1), default=None, help="tree drafters: a best-first tree of N nodes")
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
                    help="also measure B sequences decoded together, e.g. 1,4,16 (greedy throughput)")
     b.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw acceptance by position and tokens/s per method (needs matplotlib)")
+    distributed.add_arguments(b)
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("chat", help="chat in the terminal and watch the drafter at work")
@@ -412,9 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_aliases(c, "--drafter", num_draft=False)
     _add_drafter_revision(c)
     _add_system_args(c)
-    c.add_argument("--temp", type=float, default=0.0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--max-tokens", "-m", type=int, default=512, help="per answer")
+    c.add_argument("--temp", type=real(0), default=0.0)
+    c.add_argument("--top-p", type=real(0, 1, above=True), default=1.0)
+    c.add_argument("--max-tokens", "-m", type=integer(1), default=512,
+                   help="per answer (the conversation and these within the model's context)")
     c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
     _add_template_args(c)
     c.set_defaults(func=cmd_chat)
@@ -428,11 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_system_args(sv)
     _add_template_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8080)
-    sv.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
-    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 503)")
-    sv.add_argument("--max-tokens", type=int, default=4096, help="the most a request may ask for")
-    sv.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    sv.add_argument("--port", type=integer(0, 65535), default=8080)
+    sv.add_argument("--max-batch", type=integer(1), default=16, help="requests decoded together")
+    sv.add_argument("--max-queue", type=integer(1), default=64, help="requests waiting beyond the batch (then 503)")
+    sv.add_argument("--max-tokens", type=integer(1), default=4096, help="the most a request may ask for")
+    sv.add_argument("--timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=600.0,
+                    help="seconds a request may take")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("doctor", help="MLX version, backend, BLAS, and how to speed things up")
@@ -448,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         _resolve_aliases(args)
+        if getattr(args, "shard", None):
+            distributed.start(args.shard, args.shard_timeout)
         return func(args)
     except UserError as e:
         print(f"mlx-spec: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from mlx_spec.decoding import plain_steps
+from mlx_spec.errors import UserError
 from mlx_spec.metrics import StepEvent
 from mlx_spec.metrics import Metrics
 from mlx_spec.models.llama import Model
@@ -42,6 +43,14 @@ class Generation:
         return n / self.generation_time if n > 0 and self.generation_time else 0.0
 
 
+def context_overflow(prompt_tokens: int, max_tokens: int, context: int, name: str = "--max-tokens") -> str | None:
+    """Why a prompt and the `max_tokens` (the flag or field `name`) asked after it do not fit a model's
+    context of `context` positions (its `max_position_embeddings`), or None where they do."""
+    if prompt_tokens + max_tokens <= context:
+        return None
+    return f"the prompt ({prompt_tokens} tokens) plus {name} ({max_tokens}) exceeds the context of {context} tokens"
+
+
 def stream_generate(
     model: Model,
     tokenizer: TokenizerWrapper,
@@ -53,7 +62,11 @@ def stream_generate(
 ) -> Iterator[str]:
     """Yield text as it is decoded, token by token (a token that ends inside a
     character or word boundary yields with a later one); `result` collects
-    tokens, where each came from, and timings."""
+    tokens, where each came from, and timings. A prompt and `max_tokens` beyond the model's
+    context are refused before anything is decoded."""
+    overflow = context_overflow(len(prompt), max_tokens, model.args.max_position_embeddings)
+    if overflow:
+        raise UserError(overflow)
     detok = tokenizer.detokenizer
     detok.reset()
     start = time.perf_counter()

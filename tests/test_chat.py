@@ -290,7 +290,7 @@ def test_a_message_streams_in_and_the_stats_update(checkpoints, home):
 
 
 def test_escape_stops_the_answer_and_keeps_it(checkpoints):
-    app = ChatApp(str(checkpoints["qwen3"]), max_tokens=5000)
+    app = ChatApp(str(checkpoints["qwen3"]), max_tokens=4000)  # within the context of 4096
 
     async def script(pilot):
         app.query_one("#prompt").insert("write forever")
@@ -299,7 +299,7 @@ def test_escape_stops_the_answer_and_keeps_it(checkpoints):
         await pilot.press("escape")
         await until(pilot, lambda: not app.busy)
         kept = answers(app)
-        assert len(kept) == 1 and kept[0] and len(kept[0]) < 5000
+        assert len(kept) == 1 and kept[0] and len(kept[0]) < 4000
         assert "stopped" in "\n".join(screen.lines(app, "#stats"))
         app.max_tokens = 12
         await send(pilot, app, "and again")  # the chat goes on after a stop

@@ -112,7 +112,7 @@ class ChatApp(App):
         self.template_args = template_args
         self.loading_options = loading
         self.conversation = store.Conversation(model, drafter, system)
-        self.path = self.conversation.default_path()
+        self.path: Path | None = None  # the conversation's file, made on its first save
         self.load_from = conversation
         self.show_origin = False
         self.stats_shown: bool | None = None  # None: as wide as the terminal allows
@@ -178,7 +178,7 @@ class ChatApp(App):
         self.query_one("#conversation").mount(widget)
 
     def save(self) -> None:
-        store.save(self.conversation, self.path)
+        self.path = store.save(self.conversation, self.path)
 
     def on_prompt_submitted(self, message: Prompt.Submitted) -> None:
         if message.text.startswith("/"):
@@ -318,7 +318,7 @@ class ChatApp(App):
                 raise UserError("/clear: still answering (Esc stops it)")
             c = self.conversation
             self.conversation = store.Conversation(c.model, c.drafter, c.system)
-            self.path = self.conversation.default_path()
+            self.path = None
             self.query_one("#conversation").remove_children()
             self.engine.submit(engine.Forget())
         elif name == "/export":

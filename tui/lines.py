@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 
 from mlx_spec.errors import UserError
 from mlx_spec.tui import engine, store
@@ -12,8 +13,10 @@ from mlx_spec.tui.answer import reasoning_and_content
 
 
 def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, max_tokens: int,
-              think: bool | None = None, template_args: dict | None = None, **loading) -> int:
-    """The chat over piped lines; `loading`: `engine.Load`'s options."""
+              think: bool | None = None, template_args: dict | None = None, saved: Path | None = None,
+              **loading) -> int:
+    """The chat over piped lines, going on with the conversation in the file `saved` where given
+    (and saved there); `loading`: `engine.Load`'s options."""
     finished = threading.Event()
     failure: list[str] = []
     answer: list[str] = []  # the pieces of the answer being written
@@ -40,7 +43,9 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
         if failure:
             raise UserError(failure.pop())
 
-    conversation = store.Conversation(model, drafter, system)
+    path = saved
+    conversation = store.load(saved) if saved is not None else store.Conversation(model, drafter, system)
+    conversation.model, conversation.drafter = model, drafter
     eng = engine.Engine(emit)
     eng.submit(engine.Load(model, drafter, **loading))
     wait()
@@ -49,12 +54,13 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
         if not text:
             continue
         conversation.messages.append(store.message("user", text))
+        path = store.save(conversation, path)  # kept even if the answer never comes
         answer.clear()
         eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens, think, template_args))
         wait()
         reasoning, content = reasoning_and_content("".join(answer), opened[0])
         conversation.messages.append(store.message("assistant", content, reasoning))
-        store.save(conversation, conversation.default_path())
+        store.save(conversation, path)
         sys.stdout.write("\n\n")
         sys.stdout.flush()
     return 0

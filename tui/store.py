@@ -4,13 +4,18 @@ A conversation is JSON: `{"model", "drafter", "system", "created", "messages":
 [{"role", "content"}, ...]}`; an assistant's reasoning (a `<think>` block) is
 kept apart from its content as `reasoning_content`, which chat templates that
 think (Qwen3's) read back on the next turn. They live in the user's data folder
-(`$MLX_SPEC_HOME/conversations` when set), one file per conversation; export
-writes Markdown (`.md`) or the same JSON (`.json`).
+(`$MLX_SPEC_HOME/conversations` when set), one file per conversation, named by
+when it began (`-2`, `-3`, ... after the name where another chat began in the
+same second: a file is never another conversation's); export writes Markdown
+(`.md`) or the same JSON (`.json`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,13 +42,29 @@ class Conversation:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + [dict(m) for m in self.messages]
 
-    def default_path(self) -> Path:
-        stamp = self.created.replace(":", "").replace("-", "")
-        return data_dir() / "conversations" / f"{stamp}.json"
 
-
-def save(conversation: Conversation, path: Path) -> None:
-    write_text_atomic(path, json.dumps(asdict(conversation), indent=2, ensure_ascii=False))
+def save(conversation: Conversation, path: Path | None = None) -> Path:
+    """Write `conversation` to `path`, whole or not at all; None: to a new file of its own in the
+    conversations folder. Returns the file written."""
+    text = json.dumps(asdict(conversation), indent=2, ensure_ascii=False)
+    if path is not None:
+        write_text_atomic(path, text)
+        return path
+    folder = data_dir() / "conversations"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = conversation.created.replace(":", "").replace("-", "")
+    whole = folder / f".{stamp}.{secrets.token_hex(4)}.partial"
+    whole.write_text(text, encoding="utf-8")
+    try:
+        for n in itertools.count(1):
+            path = folder / (f"{stamp}.json" if n == 1 else f"{stamp}-{n}.json")
+            try:
+                os.link(whole, path)  # the whole file under a name no one holds (else FileExistsError)
+            except FileExistsError:
+                continue
+            return path
+    finally:
+        whole.unlink()
 
 
 def load(path: Path) -> Conversation:
@@ -53,6 +74,8 @@ def load(path: Path) -> Conversation:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not a conversation (invalid JSON: {e})") from None
+    except RecursionError:
+        raise UserError(f"{path}: not a conversation (nested too deeply)") from None
     messages = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)

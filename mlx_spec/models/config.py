@@ -7,6 +7,8 @@ Configs written by transformers 4 (`rope_theta` at the top level, scaling in
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +47,61 @@ class ModelArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# Shapes MLX holds as 32-bit integers; a size beyond this is no model's.
+MAX_SIZE = 2**31 - 1
+SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "vocab_size", "head_dim", "max_position_embeddings", "moe_intermediate_size")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+SCALING_POSITIVE = ("rope_theta", "factor", "original_max_position_embeddings")
+SCALING_NUMBERS = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                   "partial_rotary_factor")
+
+
+def _size(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= value <= MAX_SIZE
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value: Any) -> bool:
+    return _finite(value) and value > 0
+
+
+def _check(params: dict, keys, ok, what: str, source: str, prefix: str = "") -> None:
+    """Each of `keys` that `params` sets (not null) passes `ok`, else a one-line error naming it."""
+    for key in keys:
+        if params.get(key) is not None and not ok(params[key]):
+            raise UserError(f"{source}: '{prefix}{key}' must be {what}, got {params[key]!r}")
+
+
+def check_fields(config: dict, source: str) -> None:
+    """The shape fields `config` has (and a `text_config` inside it), each of the right type and range:
+    a wrong one is named here, not met later as a traceback or a model of another shape.
+    A null optional field (`head_dim`, `num_key_value_heads`, ...) means its default."""
+    _check(config, SIZES, _size, f"an integer in 1..{MAX_SIZE}", source)
+    _check(config, POSITIVE_NUMBERS, _positive, "a finite number > 0", source)
+    _check(config, FLAGS, lambda v: isinstance(v, bool), "true or false", source)
+    for section in ("rope_scaling", "rope_parameters"):
+        scaling = config.get(section)
+        if scaling is not None and not isinstance(scaling, dict):
+            raise UserError(f"{source}: '{section}' must be an object or null, got {scaling!r}")
+        layered = [v for v in (scaling or {}).values() if isinstance(v, dict)]  # keyed by layer type
+        for params in [scaling or {}, *layered]:
+            _check(params, SCALING_POSITIVE, _positive, "a finite number > 0", source, f"{section}.")
+            _check(params, SCALING_NUMBERS, _finite, "a finite number", source, f"{section}.")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise UserError(f"{source}: 'num_attention_heads' ({heads}) must be a multiple of "
+                        f"'num_key_value_heads' ({kv_heads})")
+    if isinstance(config.get("text_config"), dict):
+        check_fields(config["text_config"], f"{source}: text_config")
+
+
 def _required(config: dict, key: str, source: str) -> Any:
-    if key not in config:
+    if config.get(key) is None:
         raise UserError(f"{source}: missing field '{key}'")
     return config[key]
 
@@ -59,7 +114,7 @@ def _rope(config: dict, source: str) -> tuple[float, dict | None]:
         if isinstance(first, dict):
             params = first
     scaling = dict(params) if isinstance(params, dict) else dict(config.get("rope_scaling") or {})
-    theta = scaling.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+    theta = scaling.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     if kind == "default":
         return float(theta), None
@@ -76,12 +131,15 @@ def _rope(config: dict, source: str) -> tuple[float, dict | None]:
 
 def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
     """Validate a config dict; errors name `source` and the field."""
+    if not isinstance(config, dict):
+        raise UserError(f"{source}: expected a JSON object")
     model_type = _required(config, "model_type", source)
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UserError(
             f"{source}: model_type '{model_type}' is not supported "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
+    check_fields(config, source)
     if config.get("use_sliding_window"):  # Qwen2's: windows on some layers only
         raise UserError(f"{source}: use_sliding_window (windows on some layers) is not supported yet")
     window = config.get("sliding_window") if model_type == "mistral" else None
@@ -89,6 +147,11 @@ def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
         raise UserError(f"{source}: 'sliding_window' must be a positive integer or null, got {window!r}")
     hidden = int(_required(config, "hidden_size", source))
     heads = int(_required(config, "num_attention_heads", source))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if head_dim < 1:
+        raise UserError(f"{source}: 'hidden_size' ({hidden}) is less than 'num_attention_heads' ({heads}) "
+                        "and no 'head_dim' is given")
+    context = int(config.get("max_position_embeddings") or 32768)
     attention_bias = bool(config.get("attention_bias", False))
     qkv_bias, o_bias, qk_norm = ARCHITECTURES[model_type] or (None, None, False)
     theta, scaling = _rope(config, source)
@@ -100,8 +163,8 @@ def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
         intermediate_size=int(_required(config, "intermediate_size", source)),
         vocab_size=int(_required(config, "vocab_size", source)),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -109,8 +172,8 @@ def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
         o_bias=attention_bias if o_bias is None else o_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=qk_norm,
-        max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+        max_position_embeddings=context,
         quantization=config.get("quantization"),
-        sliding_window=window if window and window < int(config.get("max_position_embeddings", 32768)) else None,
+        sliding_window=window if window and window < context else None,
         extra=config,
     )

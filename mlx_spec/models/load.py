@@ -22,6 +22,8 @@ def read_json(path: Path) -> dict:
         raise UserError(f"{path}: missing (not a model directory?)")
     try:
         data = json.loads(path.read_text())
+    except OSError as e:  # a directory, unreadable
+        raise UserError(f"{path}: cannot be read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(data, dict):

@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten
 from mlx_spec.attention import TreeMask, causal_array
 from mlx_spec.cache import KVCache, RecurrentCache
 from mlx_spec.errors import UserError
+from mlx_spec.models.config import check_fields
 from mlx_spec.models.llama import Model as LlamaModel, default_mask
 from mlx_spec.models.rope import RoPE, at_positions
 
@@ -457,6 +458,7 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise UserError(f"{path / 'config.json'}: model_type '{model_type}' is not supported")
+    check_fields(config, str(path / "config.json"))
     fields = mlx_lm_config(config)
     if fields.get("final_logit_softcapping"):
         raise UserError(f"{path / 'config.json'}: final_logit_softcapping is not supported for {model_type}")

@@ -137,14 +137,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     mt.set_defaults(func=run_mtp, lr=1e-3)
 
 
+# What a resumed run may change: how far it goes, how often it logs, evaluates and saves, what it shows
+# (the command and kind need no check: another drafter's weights differ from the checkpoint's).
+RESUMABLE = ("resume", "steps", "save_every", "eval_every", "eval_batches", "log_every", "quiet", "grad_checkpoint",
+             "out", "command", "kind")
+
+
 def train_config(args: argparse.Namespace):
     from mlx_spec.train.trainer import TrainConfig
 
+    settings = {k: v for k, v in vars(args).items()
+                if k not in RESUMABLE and (v is None or isinstance(v, (str, int, float, bool)))}
     config = TrainConfig(
         out=args.out, steps=args.steps, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_accum=args.grad_accum, grad_checkpoint=args.grad_checkpoint, eval_every=args.eval_every,
         eval_batches=args.eval_batches, save_every=args.save_every, log_every=args.log_every,
-        progress=not args.quiet,
+        progress=not args.quiet, settings=settings,
     )
     config.check()
     return config

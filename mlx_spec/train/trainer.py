@@ -13,7 +13,8 @@
   `grad_accum` micro-batches, optional gradient checkpointing per layer.
 - Checkpoints (weights, optimizer moments, step) are written atomically every
   `save_every` steps and when the run is interrupted (Ctrl-C, SIGTERM);
-  `resume=True` continues bit for bit from the latest.
+  `resume=True` continues bit for bit from the latest, and refuses one whose
+  weights' names and shapes or whose `settings` differ from this run's.
 - With several processes (`mlx.launch`), gradients are averaged with
   `mx.distributed.all_sum` and only rank 0 writes.
 """
@@ -25,7 +26,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,7 @@ class TrainConfig:
     save_every: int = 100
     log_every: int = 10
     progress: bool = True
+    settings: dict[str, Any] = field(default_factory=dict)  # flag -> value: what a resumed run must keep
 
     def check(self) -> None:
         for name in ("steps", "grad_accum", "save_every", "log_every"):
@@ -160,12 +162,37 @@ class Trainer:
             state = json.loads((folder / "state.json").read_text())
             params = mx.load(str(folder / "weights.safetensors"))
             opt = mx.load(str(folder / "optimizer.safetensors"))
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, RecursionError) as e:
             raise UserError(f"{folder}: unreadable checkpoint ({e})".splitlines()[0]) from None
+        step = state.get("step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise UserError(f"{folder / 'state.json'}: 'step' must be an integer >= 0, got {step!r}")
+        self._check_resumable(state.get("config"), params, step)
         self.model.load_weights(list(params.items()), strict=False)
         self.optimizer.state = tree_unflatten(list(opt.items()))
-        self.step = int(state["step"])
+        self.step = step
         mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def _check_resumable(self, saved: Any, params: dict[str, mx.array], step: int) -> None:
+        """The checkpoint is this run's, part way: the same settings (where it recorded them),
+        the same trainable weights, and a step within `--steps`."""
+        folder = self.checkpoint_dir
+        settings = saved.get("settings") if isinstance(saved, dict) else None
+        settings = settings if isinstance(settings, dict) else {}  # (checkpoints from before settings were kept)
+        for key in sorted(settings.keys() & self.config.settings.keys()):
+            if settings[key] != self.config.settings[key]:
+                flag = "--" + key.replace("_", "-")
+                raise UserError(f"--resume: {folder} was trained with {flag} {settings[key]}, this command gives "
+                                f"{flag} {self.config.settings[key]}: give the same, or another --out")
+        expected = dict(tree_flatten(self.model.trainable_parameters()))
+        for name in sorted(expected.keys() | params.keys()):
+            have, want = params.get(name), expected.get(name)
+            if have is None or want is None or have.shape != want.shape:
+                raise UserError(f"--resume: {folder} holds another model: weight '{name}' is {_shape(have)} there, "
+                                f"{_shape(want)} in this run")
+        if step > self.config.steps:
+            raise UserError(f"--resume: {folder} is at step {step}, beyond --steps {self.config.steps}: "
+                            f"give --steps {step} or more to go on")
 
     # --- the loop ------------------------------------------------------------
 
@@ -243,6 +270,10 @@ class Trainer:
         progress.close()
         self.save_checkpoint()
         return self._run_eval()
+
+
+def _shape(a: mx.array | None) -> str:
+    return "absent" if a is None else f"of shape {tuple(a.shape)}"
 
 
 def batch_tokens(batch: Batch) -> int:

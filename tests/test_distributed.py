@@ -1,0 +1,185 @@
+"""The demo target split over 2 processes on this machine (MLX's ring backend on localhost), as
+`mlx.launch -n 2 --backend ring ... --shard tensor|pipeline` runs it: greedy output identical to one
+process for plain decoding, a draft model, EAGLE-3 and DFlash; sampled output identical to one process
+with the same seed (and across the ranks); a killed or hung rank ends the other with one line within the
+timeout; a different checkpoint on one rank is refused at the start."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error, cli
+from mlx_spec.testing import make_checkpoint
+
+PROMPT = "def is_prime(n):\n"
+DRAFTERS = ("none", "draft", "eagle3", "dflash")
+TOKENS = 16
+# Each rank writes what it decoded (`decode`) to OUT.RANK: only rank 0 may print.
+DRIVER = """
+import json, os, sys
+from pathlib import Path
+
+from mlx_spec import api, distributed
+
+sys.path.insert(0, {tests!r})
+from test_distributed import decode
+
+distributed.start(sys.argv[1])
+Path(sys.argv[2] + "." + os.environ["MLX_RANK"]).write_text(json.dumps(decode(api.load("demo"))))
+""".format(tests=str(Path(__file__).parent))
+
+
+def decode(target) -> dict:
+    """Greedy with each drafter, then a sampled run with a draft model (seed and K fixed)."""
+    import mlx.core as mx
+
+    from mlx_spec import api
+    from mlx_spec.sampling import SamplingParams
+
+    def run(spec, **options):
+        return api.generate(target, PROMPT, api.drafter(spec, target), chat_template=False, max_tokens=TOKENS,
+                            **options).tokens
+
+    out = {spec: run(spec) for spec in DRAFTERS}
+    mx.random.seed(3)
+    out["sampled"] = run("draft", params=SamplingParams(temp=1.0), num_draft=3)
+    return out
+
+
+def _free_ports(n: int) -> int:
+    """The first of n consecutive free ports on localhost (mlx.launch numbers its ranks' from it)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def mlx_launch(*args) -> subprocess.CompletedProcess:
+    """`mlx.launch -n 2 --backend ring ARGS` on localhost."""
+    launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    return subprocess.run([launch, "-n", "2", "--backend", "ring", "-p", str(_free_ports(2)), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def ranks(commands: list[list], tmp_path: Path) -> list[subprocess.Popen]:
+    """Each command as one rank, started as mlx.launch starts them (MLX_RANK, a ring hostfile), each
+    with its own stdout, stderr and exit code."""
+    first = _free_ports(len(commands))
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(len(commands))]))
+    return [subprocess.Popen([sys.executable, "-m", "mlx_spec.cli", *map(str, c)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)})
+            for r, c in enumerate(commands)]
+
+
+def finished(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    from mlx_spec import api
+
+    return decode(api.load("demo"))
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_two_ranks_decode_as_one_process(mode, one_process, tmp_path):
+    """Greedy: plain, a draft model, EAGLE-3 and DFlash token for token as one process (tensor parallel
+    sums in another order, within rounding of the logits; pipeline is bit-exact); sampled at temperature
+    1 with a seed and K fixed, the same tokens too, on both ranks."""
+    (tmp_path / "driver.py").write_text(DRIVER)
+    run = mlx_launch(sys.executable, tmp_path / "driver.py", mode, tmp_path / "out")
+    assert run.stdout == "" and "error" not in run.stderr.lower(), run.stderr
+    decoded = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    assert decoded[0] == decoded[1] == one_process
+    assert all(len(tokens) == TOKENS for tokens in one_process.values())
+
+
+def test_generate_under_mlx_launch_prints_once(one_process):
+    """The command line as a user runs it: rank 0 alone prints (one JSON object), one process's tokens."""
+    two = mlx_launch(sys.executable, "-m", "mlx_spec.cli", "generate", "--no-chat-template", "--prompt", PROMPT,
+                     "--drafter", "eagle3", "--max-tokens", TOKENS, "--json", "--shard", "pipeline")
+    assert json.loads(two.stdout)["tokens"] == one_process["eagle3"], two.stderr
+    assert two.stderr == "", two.stderr
+
+
+def test_bench_reports_communication_beside_compute():
+    report = json.loads(mlx_launch(sys.executable, "-m", "mlx_spec.cli", "bench", "--no-chat-template", "--prompt",
+                                   PROMPT, "--drafters", "eagle3", "--max-tokens", 8, "--repeats", 1, "--json",
+                                   "--shard", "pipeline").stdout)
+    assert report["shard"] == {"mode": "pipeline", "ranks": 2}
+    assert [r["name"] for r in report["rows"]] == ["mlx-spec", "mlx-spec eagle3"]  # no mlx-lm rows
+    for row in report["rows"]:
+        costs = row["shard"]
+        assert costs["comm_ms_per_round"] > 0 and costs["round_ms"] > 0, costs
+        assert costs["comm_share"] == pytest.approx(costs["comm_ms_per_round"] / costs["round_ms"])
+        assert row["identical_to_plain"]
+
+
+def _long_run(tmp_path, timeout: float) -> list[subprocess.Popen]:
+    """Two ranks decoding long enough to be stopped midway, once rank 0 has printed a little."""
+    args = ["generate", "--no-chat-template", "--prompt", PROMPT, "--drafter", "draft", "--max-tokens", 3000,
+            "--shard", "tensor", "--shard-timeout", timeout]
+    procs = ranks([args, args], tmp_path)
+    assert procs[0].stdout.read(8)  # decoding (the rank has printed its first tokens)
+    return procs
+
+
+def test_a_killed_rank_ends_the_other_with_one_line(tmp_path):
+    procs = _long_run(tmp_path, 30)
+    procs[1].kill()
+    tic = time.monotonic()
+    survivor = finished(procs[0])
+    assert time.monotonic() - tic < 10
+    assert survivor.returncode == 1
+    assert survivor.stderr.strip().splitlines() == [
+        "mlx-spec: error: rank 0: lost the connection to another rank (it ended, or the link between them went down): "
+        "the run stops"], survivor.stderr
+    procs[1].wait()
+
+
+def test_a_hung_rank_ends_the_other_within_the_timeout(tmp_path):
+    procs = _long_run(tmp_path, 3)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    tic = time.monotonic()
+    try:
+        survivor = finished(procs[0], timeout=60)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert 2 < time.monotonic() - tic < 15
+    assert survivor.returncode == 1
+    assert survivor.stderr.strip().splitlines() == [
+        "mlx-spec: error: rank 0: no word from the other ranks for 3 s (one died or hangs; --shard-timeout): "
+        "the run stops"], survivor.stderr
+
+
+def test_another_checkpoint_on_one_rank_is_refused_at_the_start(checkpoints, tmp_path):
+    other = make_checkpoint(tmp_path / "other", "qwen3", seed=5)  # the same shapes, other weights
+    args = ["generate", "--prompt", "hi", "--max-tokens", 4, "--shard", "pipeline", "--model"]
+    procs = ranks([args + [checkpoints["qwen3"]], args + [other]], tmp_path)
+    for rank, proc in enumerate(procs):
+        assert_one_line_error(finished(proc), "--model", "rank 1 loaded another target", *(["rank 1:"] if rank else []))
+
+
+def test_shard_without_mlx_launch_is_refused():
+    assert_one_line_error(cli("generate", "--prompt", "hi", "--shard", "tensor"), "--shard tensor", "mlx.launch -n")
