@@ -162,11 +162,11 @@ class Decoder:
         built = time.perf_counter()
         capture = self._capture()
         inputs, positions, mask = self._inputs(drafts, starts)
-        if len(rows) == 1 and rows[0].drafter is not None and positions is None:  # self-speculation may reuse its forward
-            logits, hidden = rows[0].drafter.verify_forward(self.model, inputs, self.cache, capture)
+        one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
+        if one is not None and positions is None:  # self-speculation may reuse its own forward
+            logits, hidden = one.verify_forward(self.model, inputs, self.cache, capture)
         else:
             logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
-        mx.async_eval(logits)  # the verification runs once the drafts are done, while the host goes on
         building = time.perf_counter() - built
         mx.eval(lazy)
         mid = time.perf_counter()
@@ -282,12 +282,12 @@ class Decoder:
 def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
                       drafter: Drafter | None = None, num_draft: int | None = None, k_max: int = 8,
                       cache: list[KVCache] | None = None, acceptance: str = "exact") -> Iterator[StepEvent]:
-    """One sequence: the batch of one, an event per round. `num_draft` fixes K (a tree's depth); otherwise K
-    adapts (`policy.Policy`, knowing what the drafter's earlier sequences measured). A `cache` given may already
-    hold the prompt's first tokens (an earlier chat turn): as much is kept as the drafter's state still matches.
+    """One sequence: the batch of one, an event per round. `num_draft` fixes K (a tree's depth);
+    otherwise K adapts (`policy.Policy`). A `cache` given may already hold the prompt's first tokens
+    (an earlier chat turn): as much is kept as the drafter's own state still matches.
     `acceptance="typical"` is Medusa's lossy rule for trees at temperature > 0."""
-    policy = Policy.remembered(drafter, params, k_max, num_draft)
-    decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True, policy=policy)
+    decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True,
+                      policy=Policy.remembered(drafter, params, k_max, num_draft))
     decoder.add(0, list(prompt), params, max_tokens, drafter)
     while not decoder.done:
         yield decoder.step()[0]
