@@ -190,7 +190,7 @@ class Decoder:
             events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted,
                                       draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth, read(asked, b, at, tokens))
         end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
-        self.policy.record([r.key for r in rows], [e.depth for e in events.values()], [e.accepted for e in events.values()],
+        self.policy.record([r.key for r in rows], ks, [e.accepted for e in events.values()],
                            inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic,
                            end - tic - drafting, draft_times)
         self._finish()

@@ -286,11 +286,13 @@ class Policy:
 
     def record(self, keys: list, ks: list[int], accepted: list[int], S: int, tokens: int, seconds: float,
                verify_time: float, draft_times: dict[int, tuple[float, int]]) -> None:
-        """A round's outcome: each row's K (a tree: its depth) and accepted drafts,
+        """A round's outcome: each row's K as chosen (a tree: its depth) and accepted drafts,
         S tokens a row verified (a tree's nodes) in `verify_time`, `tokens`
         produced in `seconds`; per drafter (by id), its drafting time and steps.
         A verification's cost is kept by the K it was chosen for: a tree of that
-        depth costs what its width costs."""
+        depth costs what its width costs. A draft shorter than its K (a prompt
+        lookup that found nothing to copy) counts as the attempt it was: its
+        yield and its round's cost are what choosing that K gives."""
         seconds, verify_time, draft_times = distributed.rank0_times(seconds, verify_time, draft_times)  # K alike
         m = self.measured(len(keys))
         m.best = None
