@@ -313,8 +313,9 @@ class Policy:
                 self.draft_cost[drafter] = ema(self.draft_cost.get(drafter), t / steps, DECAY)
         for key, k, n in zip(keys, ks, accepted):
             if k:
-                self.acceptance[key].update(k, n)
-                self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
+                self.acceptance.setdefault(key, Acceptance()).update(k, n)
+                if key in self.owner:  # (`choose` names every row's drafter before its first round)
+                    self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
 
 
 _REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> {settings: Policy}
