@@ -242,8 +242,8 @@ class Decoder:
             self._commit(b, r, [token], hidden, capture)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic, logprobs=read(asked, b, [0], [token]))
         drafters = {id(r.drafter): (0.0, 0) for r in self.rows if r.drafter is not None}
-        # Reading a token waits for what is queued after it: timed right only where both or neither are.
-        if drafters and queued == (self.queued is not None):
+        # What drafting must beat is plain decoding going on: a round queued that queues the next.
+        if drafters and queued and self.queued is not None:
             end = time.perf_counter()
             self.policy.record([r.key for r in self.rows], [0] * len(self.rows), [0] * len(self.rows), 1,
                                len(tokens), end - tic, end - tic, drafters)

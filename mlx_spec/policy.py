@@ -56,7 +56,8 @@ class Acceptance:
 
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
-    PRIOR = 0.8  # alpha where a position has not been reached yet, weak
+    PRIOR = 0.8  # alpha where a position has not been reached yet
+    PRIOR_WEIGHT = 0.25  # in rounds: weak, so that a drafter that never hits is soon known to
 
     def rate(self, i: int) -> float:
         """Position i's rate; a position never reached yet is taken as the last one reached."""
@@ -64,7 +65,7 @@ class Acceptance:
         if not seen:
             return self.PRIOR
         j = i if i in seen else seen[-1]
-        return (self.accepted[j] + self.PRIOR) / (self.reached[j] + 1)
+        return (self.accepted[j] + self.PRIOR * self.PRIOR_WEIGHT) / (self.reached[j] + self.PRIOR_WEIGHT)
 
     def tokens(self, k: int) -> float:
         """Expected tokens of a round of k drafts: 1 + a_0 + a_0 a_1 + ..."""
@@ -151,14 +152,16 @@ class Policy:
         """One sequence's policy, as the drafter's earlier sequences at these sampling settings left it (a
         chat's turns, a benchmark's prompts): the costs and the drafter's pooled acceptance are known from
         the first round, so a drafter that does not pay is not tried at its most K again. What one sequence
-        measured of itself (its rows' acceptance, the rates of its rounds, its probes) starts anew: a prompt
-        lookup that found nothing to copy in one prompt may find much in the next."""
+        measured of itself (its rows' acceptance, its probes) starts anew, and the rates of whole rounds
+        count half: a prompt lookup that found nothing to copy in one prompt may find much in the next."""
         if drafter is None:
             return cls(k_max, fixed)
         policy = _REMEMBERED.setdefault(drafter, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
         policy.acceptance.clear()
         policy.owner.clear()
-        policy.by_size = {B: Measured(m.times, m.seen) for B, m in policy.by_size.items()}
+        for B, m in policy.by_size.items():  # the rates of whole rounds go on, at half weight
+            policy.by_size[B] = Measured(m.times, m.seen, {d: t / 2 for d, t in m.tokens.items()},
+                                         {d: t / 2 for d, t in m.seconds.items()})
         return policy
 
     def measured(self, B: int) -> Measured:
@@ -194,8 +197,12 @@ class Policy:
             return False
         m = self.measured(len(keys))
         if len(keys) == 1:
+            if m.times and m.samples(1) < 2:
+                return True  # plain rounds, queued, measure what plain decoding costs
             return bool(m.times) and self._one_best(m, keys, drafters) == 0 and \
                 m.plain_rounds + 1 < (m.every or self.PROBE_EVERY)
+        if m.mode == "explore":
+            return m.samples(1) < 2
         if m.mode == "plain":
             return m.run == 0 and m.since + 1 < m.every
         return m.mode == "drafting" and m.run > 1
