@@ -67,13 +67,13 @@ class Acceptance:
         j = i if i in seen else seen[-1]
         return (self.accepted[j] + self.PRIOR * self.PRIOR_WEIGHT) / (self.reached[j] + self.PRIOR_WEIGHT)
 
-    def tokens(self, k: int) -> float:
-        """Expected tokens of a round of k drafts: 1 + a_0 + a_0 a_1 + ..."""
-        total, reach = 1.0, 1.0
-        for i in range(k):
+    def tokens(self, k_max: int) -> list[float]:
+        """Expected tokens of a round of k drafts, for k = 0..k_max: 1 + a_0 + a_0 a_1 + ..."""
+        out, reach = [1.0], 1.0
+        for i in range(k_max):
             reach *= self.rate(i)
-            total += reach
-        return total
+            out.append(out[-1] + reach)
+        return out
 
     def update(self, k: int, n: int) -> None:
         # Position i is reached when the drafts before it were all accepted.
@@ -102,10 +102,13 @@ class Measured:
     every: int = 0  # while plain: rounds between two drafting runs (one row: probes)
     plain_rounds: int = 0  # one row: plain rounds since the last probe
     best: tuple | None = None  # (rows, drafters) -> K: the model's choice since the last record
+    medians: dict | None = None  # S -> the median of `times[S]`, since the last record
 
     def verify_time(self, S: int) -> float:
         """Measured, or from a line through the measured lengths (flat with one)."""
-        medians = {s: statistics.median(t) for s, t in self.times.items()}
+        if self.medians is None:  # once a round: the model asks for every K
+            self.medians = {s: statistics.median(t) for s, t in self.times.items()}
+        medians = self.medians
         if S in medians:
             return medians[S]
         ss, ts = list(medians), list(medians.values())
@@ -207,18 +210,23 @@ class Policy:
             return m.run == 0 and m.since + 1 < m.every
         return m.mode == "drafting" and m.run > 1
 
-    def _time_per_token(self, m: Measured, keys: list, drafters: list, k: int) -> float:
-        tokens = sum(self._acceptance(key, d).tokens(k) if d is not None else 1.0 for key, d in zip(keys, drafters))
-        drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d), 0.0)
-                       for d in {id(d): d for d in drafters if d}.values() if d.costly)
-        return (drafting + m.verify_time(k + 1)) / tokens
+    def _times_per_token(self, m: Measured, keys: list, drafters: list) -> list[float]:
+        """Seconds a token for each K = 0..k_max: drafting and verification over the rows' expected tokens."""
+        rows = [self._acceptance(key, d).tokens(self.k_max) for key, d in zip(keys, drafters) if d is not None]
+        costly = [d for d in {id(d): d for d in drafters if d}.values() if d.costly]
+        times = []
+        for k in range(self.k_max + 1):
+            tokens = len(keys) - len(rows) + sum(r[k] for r in rows)
+            drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d), 0.0) for d in costly)
+            times.append((drafting + m.verify_time(k + 1)) / tokens)
+        return times
 
     def _best(self, m: Measured, keys: list, drafters: list) -> int:
         """The K with the least time per token; drafting only where it promises `MARGIN` over plain.
         Kept until the next `record` (a round asks twice: its K, and whether the next is plain)."""
         if m.best is not None and m.best[0] == (keys, [id(d) for d in drafters]):
             return m.best[1]
-        times = [self._time_per_token(m, keys, drafters, k) for k in range(self.k_max + 1)]
+        times = self._times_per_token(m, keys, drafters)
         best = min(range(self.k_max + 1), key=times.__getitem__)
         best = best if times[best] * self.MARGIN < times[0] else 0
         m.best = ((list(keys), [id(d) for d in drafters]), best)
@@ -302,7 +310,7 @@ class Policy:
         yield and its round's cost are what choosing that K gives."""
         seconds, verify_time, draft_times = distributed.rank0_times(seconds, verify_time, draft_times)  # K alike
         m = self.measured(len(keys))
-        m.best = None
+        m.best = m.medians = None
         first = S not in m.seen  # a shape's first round also compiles: not a cost to learn from
         m.seen.add(S)
         drafting = any(ks)
