@@ -14,8 +14,8 @@ and `mlx-spec bench` measures plain decoding, the student as a draft model,
 prompt lookup and suffix decoding at temperatures 0 and 1, in one run, written
 to WORK/bench.json and printed.
 
-Each stage leaves its result in WORK and is skipped when run again. About 40
-minutes on two cores.
+Each stage leaves its result in WORK and is skipped when run again. About 75
+minutes on two cores (the target's training most of it).
 """
 
 from __future__ import annotations
