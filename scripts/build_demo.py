@@ -477,13 +477,18 @@ def install(work: Path) -> None:
     log(f"installed the demo in {demo.ROOT}: {size / 2**20:.1f} MiB")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("work", type=Path, help="folder for the corpus, checkpoints and logs")
+def add_language_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target's and the student's training, and the self-distillation data."""
     parser.add_argument("--target-steps", type=int, default=1600)
     parser.add_argument("--student-steps", type=int, default=1600)
     parser.add_argument("--distill-steps", type=int, default=400)
     parser.add_argument("--self-examples", type=int, default=3000, help="prompts the target answers for the drafters")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path, help="folder for the corpus, checkpoints and logs")
+    add_language_model_arguments(parser)
     parser.add_argument("--eagle-steps", type=int, default=750)
     parser.add_argument("--dflash-steps", type=int, default=800)
     parser.add_argument("--medusa-steps", type=int, default=200)

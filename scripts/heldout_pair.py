@@ -21,12 +21,15 @@ minutes on two cores (the target's training most of it).
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import build_demo as recipe
+
+from mlx_spec.bench import format_report
 
 HELD_OUT = {"tarfile", "inspect", "ftplib", "mailbox", "imaplib", "pickletools", "statistics", "smtplib"}
 
@@ -41,17 +44,13 @@ def bench(work: Path, args: argparse.Namespace) -> None:
            "--repeats", str(args.repeats), "--json", str(work / "bench.json")]
     recipe.log("mlx-spec " + " ".join(cmd[3:]))
     subprocess.run(cmd, check=True)
-    subprocess.run([sys.executable, "-c", "import json, sys; from mlx_spec.bench import format_report; "
-                    "print(format_report(json.load(open(sys.argv[1]))))", str(work / "bench.json")], check=True)
+    print(format_report(json.loads((work / "bench.json").read_text())))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("work", type=Path, help="folder for the corpus, checkpoints, logs and bench.json")
-    parser.add_argument("--target-steps", type=int, default=1600)
-    parser.add_argument("--student-steps", type=int, default=1600)
-    parser.add_argument("--distill-steps", type=int, default=400)
-    parser.add_argument("--self-examples", type=int, default=3000, help="prompts the target answers for the student")
+    recipe.add_language_model_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts of each suite (code, chat)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
