@@ -437,6 +437,7 @@ class Engine:
             request = self.waiting.get_nowait()
             if request is not None:
                 request.out.put(SHUTTING_DOWN)
+        mx.clear_streams()  # a thread that ran MLX and ends without this may abort the process at exit
 
     def _round(self) -> None:
         self._admit()
@@ -888,3 +889,5 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
         waited = time.monotonic() + 5  # the last words of the answers in flight (bounded: a client may not read)
         while server.answering and time.monotonic() < waited:
             time.sleep(0.01)
+        if not main:  # the model was loaded on this thread, which ends (the main thread's are MLX's own to clear)
+            mx.clear_streams()
