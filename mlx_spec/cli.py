@@ -457,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per answer (the conversation and these within the model's context)")
     c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
     _add_template_args(c)
+    distributed.add_arguments(c)
     c.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible server with batched speculative decoding")
@@ -474,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens", type=integer(1), default=4096, help="the most a request may ask for")
     sv.add_argument("--timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=600.0,
                     help="seconds a request may take")
+    distributed.add_arguments(sv)
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("doctor", help="MLX version, backend, BLAS, and how to speed things up")

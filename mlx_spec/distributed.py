@@ -58,6 +58,7 @@ class _Run:
     timeout: float
     stderr: int  # the real stderr (fd 2 is the filter's pipe)
     deadline: float = math.inf  # when the watchdog gives up on the other ranks
+    seed: int = 0  # the random seed the ranks agreed on
     filter: threading.Thread | None = None  # passing fd 2 on (`_filter_stderr`)
 
     @property
@@ -116,7 +117,15 @@ def start(mode: str, timeout: float = TIMEOUT) -> None:
         raise UserError(f"--shard {mode}: rank {differ[0]} runs another mode or another version of mlx or mlx-spec "
                         "than rank 0: every rank must run the same command and versions")
     seed = np.frombuffer(os.urandom(4), dtype=np.int32) & 0x7FFFFFFF
-    mx.random.seed(int(_from_rank0(mx.array(seed)).item()))  # --seed, where given, sets it again
+    _RUN.seed = int(_from_rank0(mx.array(seed)).item())
+    seed_thread()  # --seed, where given, sets it again
+
+
+def seed_thread() -> None:
+    """The random state the ranks agreed on, on this thread (MLX keeps one per thread): every thread that
+    samples under --shard calls it first. Nothing without --shard."""
+    if _RUN is not None:
+        mx.random.seed(_RUN.seed)
 
 
 def shard(model, name: str) -> None:
@@ -173,14 +182,45 @@ def lockstep(events: Iterator, request: tuple) -> Iterator:
     for event in itertools.chain(events, [None]):
         differ = _differ(pending) if pending is not None else []
         if differ:
-            raise UserError(f"rank {differ[0]}'s tokens parted from rank 0's: the ranks no longer decode alike")
+            raise UserError(f"rank {differ[0]}: {PARTED}")
         if event is None:
+            _RUN.deadline = math.inf  # between generations (a chat's turns) a rank waits for its input at leisure
             return
         seen = zlib.crc32(np.array(event.tokens, dtype=np.int64).tobytes(), seen)
         _beat()
         pending = _gathered(seen.to_bytes(4, "little"))
         mx.async_eval(pending)
         yield event
+
+
+def from_rank0(data: bytes) -> bytes:
+    """Rank 0's `data` on every rank (what the others pass is not read); `data` itself without --shard."""
+    if _RUN is None:
+        return data
+    _beat()
+    n = int(_from_rank0(mx.array([len(data)], dtype=mx.int32)).item())
+    if n == 0:
+        return b""
+    mine = mx.array(np.frombuffer(data, dtype=np.uint8)) if _RUN.rank == 0 else mx.zeros((n,), mx.uint8)
+    return bytes(np.array(_from_rank0(mine)))
+
+
+def heartbeat() -> float | None:
+    """How long rank 0 may wait for work before it tells the other ranks it is still there (their watchdog
+    waits `--shard-timeout`); None without --shard: as long as it takes."""
+    return None if _RUN is None else _RUN.timeout / 4
+
+
+def check(error: BaseException) -> None:
+    """Under --shard, a lost rank met on any thread (the backend's error) ends this one with the run's line,
+    as it would uncaught on the main thread."""
+    if _RUN is not None and _lost(error):
+        _end(LOST)
+
+
+def parted() -> None:
+    """This rank's tokens are not rank 0's: it stops with one line (the others, with the connection lost)."""
+    _end(PARTED)
 
 
 def rank0_times(seconds: float, verify_time: float, draft_times: dict) -> tuple[float, float, dict]:
@@ -462,9 +502,17 @@ def _watch() -> None:
                  "the run stops")
 
 
+LOST = "lost the connection to another rank (it ended, or the link between them went down): the run stops"
+PARTED = "its tokens parted from rank 0's: the ranks no longer decode alike"
+
+
+def _lost(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and str(error).startswith("[ring]")
+
+
 def _excepthook(kind, error, tb) -> None:
-    if isinstance(error, RuntimeError) and str(error).startswith("[ring]"):
-        _end("lost the connection to another rank (it ended, or the link between them went down): the run stops")
+    if _lost(error):
+        _end(LOST)
     sys.__excepthook__(kind, error, tb)  # (rank 0 shows it; the others' stderr passes errors alone)
     _end(f"{kind.__name__}: {error}" if _RUN.rank else None)
 

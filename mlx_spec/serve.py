@@ -42,12 +42,14 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
+from mlx_spec import distributed
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import Metrics, TokenLogprob
 from mlx_spec.sampling import SamplingParams
@@ -352,8 +354,41 @@ def _one_line(error: Exception) -> str:
 SHUTTING_DOWN = ("error", "the server is shutting down", 503)
 
 
+class _Nowhere:
+    """The answers of a rank but 0 under --shard: rank 0 sends them."""
+
+    def put(self, message) -> None:
+        pass
+
+
+@dataclass
+class Plan:
+    """What rank 0's engine decided before a round, which every rank applies alike under --shard (the
+    others decode rank 0's requests and end them where it does: a client gone and a deadline are its alone;
+    the ends a row's own tokens make, every rank finds)."""
+    joining: list[Request]
+    ending: list[tuple[str, str, bool]]  # (request id, finish reason, timed out)
+    stop: bool = False
+    digest: int = 0  # of the tokens of every round so far: a rank that parted from rank 0 stops
+
+    FIELDS = ("prompt", "params", "max_tokens", "stop", "seed", "logprobs", "id")  # what decoding a request reads
+
+    def encode(self) -> bytes:
+        joining = [{name: getattr(r, name) for name in self.FIELDS} | {"params": vars(r.params)} for r in self.joining]
+        plan = {"joining": joining, "ending": self.ending, "stop": self.stop, "digest": self.digest}
+        return json.dumps(plan).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Plan:
+        plan = json.loads(data)
+        joining = [Request(False, r["prompt"], SamplingParams(**r["params"]), r["max_tokens"], r["stop"], False,
+                           r["seed"], math.inf, r["logprobs"], id=r["id"], out=_Nowhere()) for r in plan["joining"]]
+        return cls(joining, [tuple(e) for e in plan["ending"]], plan["stop"], plan["digest"])
+
+
 class Engine:
-    """The one thread that runs MLX: admits requests, steps the batch, answers."""
+    """The one thread that runs MLX: admits requests, steps the batch, answers. Under --shard every rank
+    runs one, rank 0's planning each round for all (`Plan`)."""
 
     def __init__(self, model, tokenizer, drafter, max_batch: int, max_queue: int):
         from mlx_spec.decoding import Decoder
@@ -364,6 +399,7 @@ class Engine:
         self.decoder = Decoder(model)
         self.live: dict[str, Live] = {}
         self.stopping = False
+        self.digest = 0  # `Plan.digest`
         self.lock = threading.Lock()  # no request is queued once the engine has stopped taking them
         self.thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
         self.thread.start()
@@ -388,23 +424,39 @@ class Engine:
             pass
         self.thread.join()
 
-    def _admit(self) -> None:
-        while len(self.live) < self.max_batch and not self.stopping:
-            try:
-                request = self.waiting.get(block=not self.live)
+    def _plan(self) -> Plan:
+        """The requests that join the batch now and the rows that end; rank 0's, under --shard."""
+        if not distributed.leading():
+            plan = Plan.decode(distributed.from_rank0(b""))
+            if plan.digest != self.digest:
+                distributed.parted()
+            return plan
+        joining = []
+        while len(self.live) + len(joining) < self.max_batch and not self.stopping:
+            try:  # (an idle engine under --shard says it is there now and then)
+                request = self.waiting.get(block=not (self.live or joining), timeout=distributed.heartbeat())
             except queue.Empty:
-                return
-            if request is None or request.cancelled:
-                continue
-            try:
-                if request.seed is not None:
-                    mx.random.seed(request.seed)
-                live = Live(request, self.tokenizer)
-                self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, self.drafter,
-                                 logprobs=request.logprobs)
-                self.live[request.id] = live
-            except Exception as e:
-                self._fail(request, e)
+                break
+            if request is not None and not request.cancelled:
+                joining.append(request)
+        now = time.monotonic()
+        ending = [(key, "cancelled", False) if live.request.cancelled else (key, "length", True)
+                  for key, live in self.live.items() if live.request.cancelled or now > live.request.deadline]
+        plan = Plan(joining, ending, self.stopping, self.digest)
+        if distributed.active():
+            distributed.from_rank0(plan.encode())
+        return plan
+
+    def _join(self, request: Request) -> None:
+        try:
+            if request.seed is not None:
+                mx.random.seed(request.seed)
+            live = Live(request, self.tokenizer)
+            self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, self.drafter,
+                             logprobs=request.logprobs)
+            self.live[request.id] = live
+        except Exception as e:
+            self._fail(request, e)
 
     def _end(self, key: str, reason: str, timed_out: bool = False) -> None:
         live = self.live.pop(key)
@@ -412,22 +464,23 @@ class Engine:
             self.decoder.remove(key)
         live.finish(reason, timed_out)
 
-    def _answer(self, key: str, event, now: float) -> None:
+    def _answer(self, key: str, event) -> None:
         live = self.live[key]
         live.metrics.add(event)
         reason = live.feed(event.tokens, event.logprobs)
         if reason is not None:
             self._end(key, reason)
-        elif now > live.request.deadline:
-            self._end(key, "length", timed_out=True)
         else:
             live.flush(final=False)
 
     def _loop(self) -> None:
-        while not self.stopping:
+        distributed.seed_thread()
+        while True:
             try:
-                self._round()
+                if self._round():
+                    break
             except Exception as e:
+                distributed.check(e)  # a rank lost ends this one
                 # The batched step: one forward for every row, one cache, the drafters' shared state.
                 # Whose fault it was cannot be told, nor what it left behind: every row fails, the batch starts anew.
                 self._reset(e)
@@ -439,15 +492,23 @@ class Engine:
                 request.out.put(SHUTTING_DOWN)
         mx.clear_streams()  # a thread that ran MLX and ends without this may abort the process at exit
 
-    def _round(self) -> None:
-        self._admit()
-        for key in [key for key, live in self.live.items() if live.request.cancelled]:
-            self._guarded(key, self._end, "cancelled")
+    def _round(self) -> bool:
+        """One round; whether the engine stops instead."""
+        plan = self._plan()
+        if plan.stop:
+            for request in plan.joining:
+                request.out.put(SHUTTING_DOWN)
+            return True
+        for request in plan.joining:
+            self._join(request)
+        for key, reason, timed_out in plan.ending:
+            if key in self.live:
+                self._guarded(key, self._end, reason, timed_out)
         if self.live:
-            events = self.decoder.step()
-            now = time.monotonic()
-            for key, event in events.items():
-                self._guarded(key, self._answer, event, now)
+            for key, event in self.decoder.step().items():
+                self.digest = zlib.crc32(f"{key} {event.tokens}".encode(), self.digest)
+                self._guarded(key, self._answer, event)
+        return False
 
     def _guarded(self, key: str, work, *args) -> None:
         """`work(key, *args)`: what it raises ends that row alone."""
@@ -856,6 +917,13 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
         raise UserError(f"--drafter {drafter_spec}: it drafts into the target's own cache and decodes one "
                         "sequence at a time; serve another drafter")
     engine = Engine(model, tokenizer, drafter, max_batch, max_queue)
+    main = threading.current_thread() is threading.main_thread()  # (only there can handlers be set)
+    if not distributed.leading():  # under --shard: rank 0 listens, and says when to stop (Ctrl-C reaches every rank)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        engine.thread.join()
+        if main:
+            signal.signal(signal.SIGINT, previous)
+        return
     context = model.args.max_position_embeddings
     handler = make_handler(engine, model_name, tokenizer, context, max_tokens, timeout,
                            Defaults(system, template_args or {}), read_timeout)
@@ -871,7 +939,6 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
         threading.Thread(target=server.shutdown).start()  # it waits for serve_forever, on this very thread
 
     signals = (signal.SIGINT, signal.SIGTERM)
-    main = threading.current_thread() is threading.main_thread()  # (only there can handlers be set)
     previous = [signal.signal(s, on_signal) for s in signals] if main else []
     if servers is not None:
         servers.append(server)

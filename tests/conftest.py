@@ -15,6 +15,26 @@ from mlx_spec.testing import make_checkpoint  # noqa: E402
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
+@pytest.fixture
+def in_process(capsys):
+    """`mlx-spec ARGS` run by `cli.main` in this process, as `helpers.cli` runs it in a subprocess (its exit
+    code, stdout and stderr) without an interpreter's start: for the many runs that end in an error."""
+    import subprocess
+
+    from mlx_spec.cli import main
+
+    def run(*args) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict:
     """One tiny checkpoint per architecture, plus a 4-bit quantized and a sharded one."""

@@ -51,11 +51,32 @@ def tv_bound(p, n, quantile=0.999, sims=4000):
     return float(np.quantile(0.5 * np.abs(draws - pv).sum(axis=1), quantile))
 
 
+def _draws(model, make_drafter, params, n_tokens, **options):
+    """Speculative samples of `n_tokens`, one after another, from seed 0."""
+    mx.random.seed(0)
+    while True:
+        events = speculative_steps(model, STAT_PROMPT, params, n_tokens, make_drafter(), num_draft=3, **options)
+        yield tuple(tokens_of(events))
+
+
+def _tv(counts, n, p):
+    return 0.5 * sum(abs(counts[s] / n - p[s]) for s in p)
+
+
 def empirical_tv(model, make_drafter, params, p, n_tokens=3, **options):
     """TV distance between N speculative samples of `n_tokens` and the exact joint `p`."""
-    mx.random.seed(0)
     counts = dict.fromkeys(p, 0)
-    for _ in range(N):
-        events = speculative_steps(model, STAT_PROMPT, params, n_tokens, make_drafter(), num_draft=3, **options)
-        counts[tuple(tokens_of(events))] += 1
-    return 0.5 * sum(abs(counts[s] / N - p[s]) for s in p)
+    for seq in itertools.islice(_draws(model, make_drafter, params, n_tokens, **options), N):
+        counts[seq] += 1
+    return _tv(counts, N, p)
+
+
+def told_apart(model, make_drafter, params, p, **options) -> bool:
+    """Whether samples from a wrong rule are told from `p`: their TV distance exceeds what as many exact
+    draws exceed with probability 1e-3, looked at after 500, 1000 and N draws (a wrong rule shows early)."""
+    counts = dict.fromkeys(p, 0)
+    for n, seq in enumerate(itertools.islice(_draws(model, make_drafter, params, 3, **options), N), 1):
+        counts[seq] += 1
+        if n in (500, 1000, N) and _tv(counts, n, p) > tv_bound(p, n):
+            return True
+    return False

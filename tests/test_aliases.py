@@ -118,14 +118,14 @@ def test_adapters_apply_as_mlx_lm_applies_them(checkpoints, adapter):
     assert tokens("--adapter-path", adapter) == theirs != tokens()
 
 
-def test_bad_adapter_folders_are_one_line(checkpoints, adapter, tmp_path):
+def test_bad_adapter_folders_are_one_line(checkpoints, adapter, tmp_path, in_process):
     path = checkpoints["qwen3"]
 
     def broken(name):
         return shutil.copytree(adapter, tmp_path / name)
 
     def fails(folder, *needles):
-        assert_one_line_error(cli("generate", "--model", path, "--prompt", "x", "--adapter-path", folder),
+        assert_one_line_error(in_process("generate", "--model", path, "--prompt", "x", "--adapter-path", folder),
                               "--adapter-path", *needles)
 
     fails(tmp_path / "nowhere", "no such folder")

@@ -152,17 +152,17 @@ def test_generate_with_drafter_reports_metrics(checkpoints, drafter):
     assert data["tau"] >= 1.0 and data["target_forwards"] * data["tau"] >= len(data["tokens"])
 
 
-def test_drafter_errors(checkpoints):
+def test_drafter_errors(checkpoints, in_process):
     path = str(checkpoints["qwen3"])
     base = ("generate", "--model", path, "--prompt", "x", "--max-tokens", "4")
-    assert_one_line_error(run(*base, "--drafter", "bogus"), "--drafter", "bogus")
-    assert_one_line_error(run(*base, "--drafter", "draft"), "--drafter", "draft=")
-    assert_one_line_error(run(*base, "--drafter", "lookup", "--check", "--temp", "1"), "--check")
-    assert_one_line_error(run(*base, "--drafter", "lookup", "--num-draft", "0"), "--num-draft")
-    assert_one_line_error(run(*base, "--drafter", "draft=/nonexistent/dir"), "/nonexistent/dir")
+    assert_one_line_error(in_process(*base, "--drafter", "bogus"), "--drafter", "bogus")
+    assert_one_line_error(in_process(*base, "--drafter", "draft"), "--drafter", "draft=")
+    assert_one_line_error(in_process(*base, "--drafter", "lookup", "--check", "--temp", "1"), "--check")
+    assert_one_line_error(in_process(*base, "--drafter", "lookup", "--num-draft", "0"), "--num-draft")
+    assert_one_line_error(in_process(*base, "--drafter", "draft=/nonexistent/dir"), "/nonexistent/dir")
 
 
-def test_medusa_tree_flags(checkpoints, tmp_path):
+def test_medusa_tree_flags(checkpoints, tmp_path, in_process):
     from mlx_spec.drafters.medusa import MedusaHeads, save_medusa
     from mlx_spec.models import load_model
 
@@ -176,18 +176,18 @@ def test_medusa_tree_flags(checkpoints, tmp_path):
     medusa = ("--drafter", f"medusa={tmp_path / 'medusa'}")
     (tmp_path / "tree.json").write_text("[[0], [0, 0], [1], [0, 0, 0]]")
     for tree in (("--tree", "[[0], [1], [0, 0]]"), ("--tree", tmp_path / "tree.json"), ("--tree-budget", "6"), ()):
-        proc = run(*base, *medusa, *tree, "--check", "--json")
+        proc = in_process(*base, *medusa, *tree, "--check", "--json")
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["identical_to_plain"] is True
-    proc = run(*base, *medusa, "--acceptance", "typical", "--temp", "1", "--seed", "0")
+    proc = in_process(*base, *medusa, "--acceptance", "typical", "--temp", "1", "--seed", "0")
     assert proc.returncode == 0, proc.stderr
-    assert_one_line_error(run(*base, *medusa, "--tree", "[[0], [1, 0]]"), "--tree", "[1]")
-    assert_one_line_error(run(*base, *medusa, "--tree", "[0, 1]"), "--tree", "list of paths")
-    assert_one_line_error(run(*base, *medusa, "--tree", "nofile.json"), "--tree", "nofile.json")
-    assert_one_line_error(run(*base, *medusa, "--tree-budget", "0"), "--tree-budget")
-    assert_one_line_error(run(*base, "--drafter", "lookup", "--tree-budget", "4"), "--tree-budget", "lookup")
-    assert_one_line_error(run(*base, "--drafter", f"medusa={tmp_path / 'narrow'}"), "--drafter", "hidden size")
-    assert_one_line_error(run(*base, "--drafter", f"medusa={tmp_path}"), "config.json")
+    assert_one_line_error(in_process(*base, *medusa, "--tree", "[[0], [1, 0]]"), "--tree", "[1]")
+    assert_one_line_error(in_process(*base, *medusa, "--tree", "[0, 1]"), "--tree", "list of paths")
+    assert_one_line_error(in_process(*base, *medusa, "--tree", "nofile.json"), "--tree", "nofile.json")
+    assert_one_line_error(in_process(*base, *medusa, "--tree-budget", "0"), "--tree-budget")
+    assert_one_line_error(in_process(*base, "--drafter", "lookup", "--tree-budget", "4"), "--tree-budget", "lookup")
+    assert_one_line_error(in_process(*base, "--drafter", f"medusa={tmp_path / 'narrow'}"), "--drafter", "hidden size")
+    assert_one_line_error(in_process(*base, "--drafter", f"medusa={tmp_path}"), "config.json")
 
 
 def test_bench_rows_and_json(checkpoints, tmp_path):
@@ -231,15 +231,15 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_prompt_errors(checkpoints, tmp_path):
+def test_bench_prompt_errors(checkpoints, tmp_path, in_process):
     base = ("bench", "--model", checkpoints["qwen3"], "--max-tokens", "4", "--repeats", "1")
-    assert_one_line_error(run(*base, "--prompts", "nosuch"), "--prompts nosuch", "code")
+    assert_one_line_error(in_process(*base, "--prompts", "nosuch"), "--prompts nosuch", "code")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:2", "prompt")
+    assert_one_line_error(in_process(*base, "--prompts", str(bad)), f"{bad}:2", "prompt")
     bad.write_text('{"prompt": "ok", "chat_template": "yes"}\n')
-    assert_one_line_error(run(*base, "--prompts", str(bad)), f"{bad}:1", "chat_template")
-    assert_one_line_error(run(*base, "--drafters", "lookup:depth=x"), "lookup:depth=x", "OPTION=N")
-    assert_one_line_error(run(*base, "--drafters", "lookup:block-size=4"), "--block-size", "lookup")
-    assert_one_line_error(run(*base, "--concurrency", "1,x"), "--concurrency", "1,x")
-    assert_one_line_error(run(*base, "--num-prompts", "-1"), "--num-prompts")
+    assert_one_line_error(in_process(*base, "--prompts", str(bad)), f"{bad}:1", "chat_template")
+    assert_one_line_error(in_process(*base, "--drafters", "lookup:depth=x"), "lookup:depth=x", "OPTION=N")
+    assert_one_line_error(in_process(*base, "--drafters", "lookup:block-size=4"), "--block-size", "lookup")
+    assert_one_line_error(in_process(*base, "--concurrency", "1,x"), "--concurrency", "1,x")
+    assert_one_line_error(in_process(*base, "--num-prompts", "-1"), "--num-prompts")

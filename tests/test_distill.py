@@ -79,8 +79,8 @@ def data(tmp_path_factory):
     return folder
 
 
-def distill(checkpoints, data, out, *extra):
-    return cli("distill", "--teacher", checkpoints["qwen3"], "--student", checkpoints["llama"], "--data", data,
+def distill(checkpoints, data, out, *extra, run=cli):
+    return run("distill", "--teacher", checkpoints["qwen3"], "--student", checkpoints["llama"], "--data", data,
                "-o", out, "--steps", "6", "--batch-size", "2", "--seq-len", "24", "--warmup", "1", "--quiet", *extra)
 
 
@@ -104,25 +104,27 @@ def test_distill_command_writes_a_loadable_model(checkpoints, data, tmp_path, ex
     assert log[-1]["step"] == 6
 
 
-def test_distill_errors(checkpoints, data, tmp_path):
+def test_distill_errors(checkpoints, data, tmp_path, in_process):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
-    assert_one_line_error(distill(checkpoints, bad, tmp_path / "o1"), "bad.jsonl:2")
+    assert_one_line_error(distill(checkpoints, bad, tmp_path / "o1", run=in_process), "bad.jsonl:2")
     bad.write_text('{"text": "fine"}\n{"question": "?"}\n')
-    assert_one_line_error(distill(checkpoints, bad, tmp_path / "o2"), "bad.jsonl:2", "text")
-    missing = cli("distill", "--teacher", tmp_path / "nope", "--student", checkpoints["llama"], "--data", data,
-                  "-o", tmp_path / "o3")
+    assert_one_line_error(distill(checkpoints, bad, tmp_path / "o2", run=in_process), "bad.jsonl:2", "text")
+    missing = in_process("distill", "--teacher", tmp_path / "nope", "--student", checkpoints["llama"], "--data", data,
+                         "-o", tmp_path / "o3")
     assert_one_line_error(missing, "nope")
     other = tmp_path / "other"
     shutil.copytree(checkpoints["llama"], other)
     from mlx_spec.testing import make_tokenizer
 
     make_tokenizer(other, vocab_size=300)
-    mismatch = cli("distill", "--teacher", checkpoints["qwen3"], "--student", other, "--data", data, "-o", tmp_path / "o4")
+    mismatch = in_process("distill", "--teacher", checkpoints["qwen3"], "--student", other, "--data", data,
+                          "-o", tmp_path / "o4")
     assert_one_line_error(mismatch, "--student", "tokenizer differs")
-    assert_one_line_error(distill(checkpoints, data, tmp_path / "o5", "--on-policy", "2"), "--on-policy")
-    assert_one_line_error(distill(checkpoints, data, tmp_path / "o6", "--fuse"), "--fuse")
-    assert_one_line_error(distill(checkpoints, data, tmp_path / "o7", "--resume"), "--resume")
+    assert_one_line_error(distill(checkpoints, data, tmp_path / "o5", "--on-policy", "2", run=in_process),
+                          "--on-policy")
+    assert_one_line_error(distill(checkpoints, data, tmp_path / "o6", "--fuse", run=in_process), "--fuse")
+    assert_one_line_error(distill(checkpoints, data, tmp_path / "o7", "--resume", run=in_process), "--resume")
 
 
 def test_two_processes_match_one_with_twice_the_batch(checkpoints, data, tmp_path):

@@ -77,15 +77,18 @@ def mlx_launch(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def ranks(commands: list[list], tmp_path: Path) -> list[subprocess.Popen]:
+def ranks(commands: list[list], tmp_path: Path, env: dict | None = None,
+          stdin: Path | None = None) -> list[subprocess.Popen]:
     """Each command as one rank, started as mlx.launch starts them (MLX_RANK, a ring hostfile), each
-    with its own stdout, stderr and exit code."""
+    with its own stdout, stderr and exit code, and reading the file `stdin`."""
     first = _free_ports(len(commands))
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(len(commands))]))
-    return [subprocess.Popen([sys.executable, "-m", "mlx_spec.cli", *map(str, c)], stdout=subprocess.PIPE,
+    return [subprocess.Popen([sys.executable, "-m", "mlx_spec.cli", *map(str, c)],
+                             stdin=stdin.open() if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)})
+                             env={**os.environ, **(env or {}), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
+                                  "PYTHONUNBUFFERED": "1"})
             for r, c in enumerate(commands)]
 
 
@@ -183,3 +186,85 @@ def test_another_checkpoint_on_one_rank_is_refused_at_the_start(checkpoints, tmp
 
 def test_shard_without_mlx_launch_is_refused():
     assert_one_line_error(cli("generate", "--prompt", "hi", "--shard", "tensor"), "--shard tensor", "mlx.launch -n")
+
+
+def _answers(port: int, bodies: list[dict]) -> list[dict]:
+    """The server's answers to `bodies`, sent at once (one batch)."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(body):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+        return {"text": answer["choices"][0]["text"], "usage": answer["usage"]}
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(ask, bodies))
+
+
+GREEDY = [{"prompt": p, "max_tokens": n, "temperature": 0}
+          for p, n in ((PROMPT, 24), ("class Stack:\n", 12), ("import os\n", 20))]
+# (Which tokens a seed gives depends on the K each round drafts, which follows measured times.)
+SAMPLED = [{"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 7},
+           {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0}]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_serve_under_two_ranks_answers_as_one_process(mode, tmp_path):
+    """`mlx-spec serve --shard` on 2 ranks with a draft model: rank 0 listens, the other decodes its batch
+    (requests joining and leaving between rounds); three greedy requests at once get one process's answers,
+    and two sampled ones (seeded and not) the same tokens on both ranks (a rank that parts from rank 0 stops);
+    an idle server outlives --shard-timeout (rank 0 tells the others it is there); SIGTERM to rank 0 ends
+    both, exit 0, nothing on stderr but rank 0's stopping line."""
+    import threading
+
+    from mlx_spec.serve import serve
+
+    ready, servers = threading.Event(), []
+    threading.Thread(target=serve, args=("demo", "draft", "127.0.0.1", 0), daemon=True,
+                     kwargs=dict(ready=ready, servers=servers)).start()
+    assert ready.wait(120)
+    try:
+        expected = _answers(servers[0].server_port, GREEDY)
+    finally:
+        servers[0].shutdown()
+    args = ["serve", "--drafter", "draft", "--port", 0, "--shard", mode, "--shard-timeout", 2]
+    procs = ranks([args, args], tmp_path)
+    try:
+        line = procs[0].stdout.readline()
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        time.sleep(3)  # idle past --shard-timeout
+        assert _answers(port, GREEDY) == expected
+        assert all(a["usage"]["completion_tokens"] == 16 for a in _answers(port, SAMPLED))
+        procs[0].send_signal(signal.SIGTERM)
+        done = [finished(p, timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
+    assert done[0].stderr.strip().splitlines() == [
+        "mlx-spec serve: SIGTERM: stopping; requests in flight end with an error"]
+    assert done[1].stdout == done[1].stderr == ""
+
+
+def test_chat_under_two_ranks_answers_as_one_process(tmp_path):
+    """`mlx-spec chat --shard` under mlx.launch reads the lines mlx.launch passes every rank: rank 0 prints
+    one process's answers, turn after turn (the cache kept between them), and alone saves the conversation."""
+    messages = "def is_prime(n):\nclass Stack:\n"
+    args = ["chat", "--drafter", "eagle3", "--max-tokens", 12]
+    one = subprocess.run([sys.executable, "-m", "mlx_spec.cli", *map(str, args)], input=messages, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "MLX_SPEC_HOME": str(tmp_path / "one")})
+    assert one.returncode == 0, one.stderr
+    home = tmp_path / "two"
+    (tmp_path / "messages").write_text(messages)  # every rank reads them, as mlx.launch passes its stdin to all
+    procs = ranks([args + ["--shard", "pipeline"]] * 2, tmp_path, env={"MLX_SPEC_HOME": str(home)},
+                  stdin=tmp_path / "messages")
+    done = [finished(p) for p in procs]
+    assert [d.returncode for d in done] == [0, 0], [d.stderr for d in done]
+    assert done[0].stdout == one.stdout and one.stdout.strip()
+    assert done[1].stdout == ""
+    saved = list((home / "conversations").iterdir())
+    assert len(saved) == 1 and len(json.loads(saved[0].read_text())["messages"]) == 4

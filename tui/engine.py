@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
+from mlx_spec import distributed
 from mlx_spec.errors import UserError
 from mlx_spec.hub import Download, reporting
 from mlx_spec.metrics import Metrics
@@ -142,6 +143,7 @@ class Engine:
         return self.jobs.unfinished_tasks == 0
 
     def _loop(self) -> None:
+        distributed.seed_thread()
         while True:
             job = self.jobs.get()
             try:
@@ -149,6 +151,7 @@ class Engine:
             except UserError as e:
                 self.emit(Failed(str(e)))
             except Exception as e:  # keep the app alive; say what happened
+                distributed.check(e)  # (under --shard, a rank lost ends the run)
                 self.emit(Failed(f"{type(e).__name__}: {e}".splitlines()[0]))
             finally:
                 self.jobs.task_done()
@@ -229,7 +232,7 @@ class Engine:
             steps = partial(speculative_steps, drafter=s.drafter, cache=s.cache)
 
         def recorded(*args):
-            for event in steps(*args):
+            for event in distributed.lockstep(steps(*args), (args[1:], reused)):  # (args[0]: the model)
                 s.context.extend(event.tokens)  # all of them: the cache holds tokens past an EOS too
                 yield event
 

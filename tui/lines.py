@@ -1,5 +1,6 @@
 """`mlx-spec chat` without a terminal: one message a line on stdin, each answer
-on stdout, followed by an empty line; so a chat can be scripted."""
+on stdout, followed by an empty line; so a chat can be scripted. Under mlx.launch
+(`--shard`), every rank reads the lines mlx.launch passes them all, and decodes alike."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+from mlx_spec import distributed
 from mlx_spec.errors import UserError
 from mlx_spec.tui import engine, store
 from mlx_spec.tui.answer import reasoning_and_content
@@ -54,13 +56,15 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
         if not text:
             continue
         conversation.messages.append(store.message("user", text))
-        path = store.save(conversation, path)  # kept even if the answer never comes
+        if distributed.leading():  # (under --shard, rank 0 keeps the conversation)
+            path = store.save(conversation, path)  # kept even if the answer never comes
         answer.clear()
         eng.submit(engine.Generate(conversation.chat(), temp, top_p, max_tokens, think, template_args))
         wait()
         reasoning, content = reasoning_and_content("".join(answer), opened[0])
         conversation.messages.append(store.message("assistant", content, reasoning))
-        store.save(conversation, path)
+        if distributed.leading():
+            store.save(conversation, path)
         sys.stdout.write("\n\n")
         sys.stdout.flush()
     return 0
