@@ -52,12 +52,14 @@ def load(model: str = "demo", revision: str | None = None, *, extra_eos: Sequenc
 
     folder = ready("target", model, revision, None, report or stderr_line)
     # Compiled layers keep the weights they were traced with: compile once the adapters are in.
-    loaded, path = load_model(folder, revision if folder == model else None, for_training=adapter_path is not None)
+    # Under --shard, read when split: a rank reads its share of the weights alone.
+    loaded, path = load_model(folder, revision if folder == model else None, for_training=adapter_path is not None,
+                              lazy=distributed.active())
+    path = Path(path)
     if adapter_path is not None:
         load_adapters(loaded, Path(adapter_path))
         loaded.compile()
-    distributed.shard(loaded, model)  # under --shard: this rank's share of it
-    path = Path(path)
+    distributed.shard(loaded, model, path, adapter_path)  # under --shard: this rank's share of it
     tokenizer = load_tokenizer(path, model_eos_ids(path))
     add_eos_tokens(tokenizer, extra_eos)
     return Target(loaded, tokenizer, path, model, revision)

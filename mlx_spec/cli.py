@@ -18,6 +18,7 @@ from typing import Callable, NoReturn
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlx_spec import distributed
 from mlx_spec import hub
+from mlx_spec.serve import READ_TIMEOUT
 from mlx_spec.convert import cli as convert_cli
 from mlx_spec.train import cli as train_cli
 from mlx_spec.errors import UserError
@@ -379,7 +380,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(args.model, args.drafter, args.host, args.port, args.revision, args.max_batch, args.max_queue,
               args.max_tokens, args.timeout, drafter_revision=args.drafter_revision, extra_eos=args.extra_eos_token,
               adapter_path=args.adapter_path, system=args.system,
-              template_args=thinking_args(args.think, _template_args(args)))
+              template_args=thinking_args(args.think, _template_args(args)), read_timeout=args.read_timeout)
     except KeyboardInterrupt:
         pass
     return 0
@@ -475,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens", type=integer(1), default=4096, help="the most a request may ask for")
     sv.add_argument("--timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=600.0,
                     help="seconds a request may take")
+    sv.add_argument("--read-timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=READ_TIMEOUT,
+                    metavar="SECONDS",
+                    help=f"seconds a connection may keep the server waiting for its next bytes "
+                         f"(then it is closed; default {READ_TIMEOUT:g})")
     distributed.add_arguments(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -35,6 +35,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
@@ -128,12 +129,16 @@ def seed_thread() -> None:
         mx.random.seed(_RUN.seed)
 
 
-def shard(model, name: str) -> None:
-    """Split the target `model` (loaded whole, as `--model name` names it) over the run, once every rank
-    has checked it loaded the same one. Nothing without --shard."""
+def shard(model, name: str, path: Path, adapters: str | Path | None = None) -> None:
+    """Split the target `model` (as `--model name` names it, its checkpoint in `path`, loaded lazily: nothing
+    is read yet) over the run, once every rank has checked it loaded the same one (and `--adapter-path`
+    `adapters`); then read this rank's share of the weights, and no more. Nothing without --shard."""
     if _RUN is None:
         return
-    differ = _differing(_fingerprint(repr(model.args), model))
+    from mlx_spec.weights import checkpoint_digest
+
+    files = checkpoint_digest(path) + (checkpoint_digest(Path(adapters), "adapter_config.json") if adapters else b"")
+    differ = _differing(repr(model.args).encode() + files)
     if differ:
         raise UserError(f"--model {name}: rank {differ[0]} loaded another target (config or weights) than rank 0: "
                         "every rank must load the same checkpoint")
@@ -147,8 +152,12 @@ def shard(model, name: str) -> None:
         _swap(model, _Tensor)
     else:
         _pipeline(model, _RUN.rank, _RUN.size)
-    mx.eval(model.parameters())  # the shares are copies: the whole weights go now
-    mx.clear_cache()
+    try:  # a tensor at a time: each is read whole, its share (a copy) kept and the whole let go
+        for _, w in tree_flatten(model.parameters()):
+            mx.eval(w)
+        mx.clear_cache()
+    except RuntimeError as e:
+        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
 
 
 def check_drafter(drafter, spec: str) -> None:

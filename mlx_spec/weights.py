@@ -112,10 +112,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _check_safetensors(path: Path) -> None:
+def _check_safetensors(path: Path) -> list[tuple[int, int, str]]:
     """The header, read with a bounded read, must describe tensors that lie apart
     inside the file, each with as many bytes as its dtype and shape need (mx.load
-    accepts overlapping ranges)."""
+    accepts overlapping ranges). Returns each tensor's (start, end, name), the
+    start and end counted from the file's beginning, in the order they lie."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -141,6 +142,21 @@ def _check_safetensors(path: Path) -> None:
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
             raise UserError(f"{path}: tensor '{second:.100}' overlaps tensor '{first:.100}' (data_offsets)")
+    return [(8 + length + begin, 8 + length + end, name) for begin, end, name in spans]
+
+
+def checkpoint_digest(directory: Path, config: str = "config.json", sample: int = 16) -> bytes:
+    """What tells one checkpoint folder from another without reading its weights: its `config` file and,
+    per safetensors file, every tensor's name, place and first `sample` bytes (a few reads a tensor)."""
+    import hashlib
+
+    digest = hashlib.sha256((directory / config).read_bytes())
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            for start, end, name in _check_safetensors(path):
+                f.seek(start)
+                digest.update(f"{path.name} {name} {start} {end}".encode() + f.read(min(sample, end - start)))
+    return digest.digest()
 
 
 def _safetensors_span(where: str, entry: Any, data: int) -> tuple[int, int]:

@@ -184,6 +184,45 @@ def test_another_checkpoint_on_one_rank_is_refused_at_the_start(checkpoints, tmp
         assert_one_line_error(finished(proc), "--model", "rank 1 loaded another target", *(["rank 1:"] if rank else []))
 
 
+# Each rank loads a checkpoint, writes its peak memory and greedy tokens to OUT.RANK.
+READER = """
+import json, os, sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_spec import api, distributed
+
+if sys.argv[1] != "none":
+    distributed.start(sys.argv[1])
+target = api.load(sys.argv[2])
+peak = mx.get_peak_memory()
+tokens = api.generate(target, "def f(x):", chat_template=False, max_tokens=8).tokens
+Path(sys.argv[3] + "." + os.environ.get("MLX_RANK", "0")).write_text(json.dumps({"peak": peak, "tokens": tokens}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_each_rank_reads_its_share_of_the_weights(mode, tmp_path):
+    """A 32 MB checkpoint of 8 layers: one process holds all of it at its peak; each of 2 ranks reads its
+    share of every layer (tensor) or its 4 layers (pipeline), and the embedding and norms every rank
+    keeps, and peaks well below the whole; they decode what one process decodes."""
+    model = make_checkpoint(tmp_path / "model", "qwen3", seed=3, hidden_size=256, intermediate_size=1024,
+                            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    whole = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    (tmp_path / "reader.py").write_text(READER)
+    one = subprocess.run([sys.executable, tmp_path / "reader.py", "none", model, tmp_path / "one"],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    run = mlx_launch(sys.executable, tmp_path / "reader.py", mode, model, tmp_path / "two")
+    assert run.returncode == 0, run.stderr
+    alone = json.loads((tmp_path / "one.0").read_text())
+    shares = [json.loads((tmp_path / f"two.{r}").read_text()) for r in range(2)]
+    assert alone["peak"] > 0.95 * whole  # (the files hold their headers too)
+    for share in shares:
+        assert share["peak"] < 0.6 * whole, (share["peak"], whole)  # here 0.54 (tensor) and 0.51 (pipeline)
+        assert share["tokens"] == alone["tokens"]
+
+
 def test_shard_without_mlx_launch_is_refused():
     assert_one_line_error(cli("generate", "--prompt", "hi", "--shard", "tensor"), "--shard tensor", "mlx.launch -n")
 

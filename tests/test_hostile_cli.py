@@ -47,6 +47,7 @@ def test_generate_refuses_a_numeric_flag_out_of_range(checkpoints, flag, value):
 @pytest.mark.parametrize("command, flag, value", [
     ("chat", "--temp", "nan"), ("chat", "--top-p", "2"), ("bench", "--max-tokens", "1e15"), ("bench", "--temps", "inf"),
     ("serve", "--port", "70000"), ("serve", "--timeout", "1e300"), ("serve", "--max-tokens", "99999999999"),
+    ("serve", "--read-timeout", "0"), ("serve", "--read-timeout", "nan"),
 ])
 def test_chat_bench_and_serve_refuse_a_numeric_flag_out_of_range(command, flag, value):
     assert_one_line_error(cli_bounded(command, "--model", "demo", flag, value), flag, value)

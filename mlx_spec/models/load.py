@@ -120,11 +120,14 @@ def check_weights(
             )
 
 
-def load_model(path_or_repo: str, revision: str | None = None, for_training: bool = False) -> tuple[Model, Path]:
+def load_model(path_or_repo: str, revision: str | None = None, for_training: bool = False,
+               lazy: bool = False) -> tuple[Model, Path]:
     """Build the target described by `config.json` and load its safetensors.
 
     For inference the layers are compiled; `for_training` leaves them eager
-    (compiled layers hold the weights they were traced with).
+    (compiled layers hold the weights they were traced with). `lazy`: the
+    weights are read when first evaluated (a rank of a sharded target reads its
+    share alone), and a damaged file is found then.
     """
     path = hub.resolve(path_or_repo, revision)
     config_path = path / "config.json"
@@ -132,10 +135,10 @@ def load_model(path_or_repo: str, revision: str | None = None, for_training: boo
     if config.get("model_type") not in ARCHITECTURES:  # the families mlx-lm implements, through its code
         from mlx_spec.models import mlxlm
 
-        return mlxlm.load(path, config, compute_dtype()), path
+        return mlxlm.load(path, config, compute_dtype(), lazy), path
     weights, origin = read_safetensors(path)
     model, weights = checked_weights(config, config_path, weights, origin, path)
-    _load_into(model, weights, path)
+    _load_into(model, weights, path, lazy)
     if not for_training:
         model.compile()
     return model, path
@@ -149,12 +152,15 @@ def load_module_weights(module: nn.Module, path: Path, what: str) -> None:
     _load_into(module, weights, path)
 
 
-def _load_into(module: nn.Module, weights: Mapping[str, mx.array], path: Path) -> None:
-    """Floating weights in the compute dtype, loaded and read now (a damaged file is reported here)."""
+def _load_into(module: nn.Module, weights: Mapping[str, mx.array], path: Path, lazy: bool = False) -> None:
+    """Floating weights in the compute dtype, loaded and read now (a damaged file is reported here),
+    or when first evaluated (`lazy`)."""
     dtype = compute_dtype()
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     module.load_weights(list(weights.items()))
+    if lazy:
+        return
     try:
         mx.eval(module.parameters())
     except RuntimeError as e:

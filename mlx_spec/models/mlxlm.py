@@ -448,9 +448,9 @@ class Model(LlamaModel):
         return out
 
 
-def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
+def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> Model:
     """The mlx-lm model in `path` (its config already read as `config`), its
-    floating weights in `dtype` (None: as stored)."""
+    floating weights in `dtype` (None: as stored), read now or when first evaluated (`lazy`)."""
     from mlx_lm.utils import load_model as mlx_lm_load
 
     from mlx_spec.models.load import cast_floating
@@ -463,7 +463,7 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None) -> Model:
     if fields.get("final_logit_softcapping"):
         raise UserError(f"{path / 'config.json'}: final_logit_softcapping is not supported for {model_type}")
     try:
-        inner, _ = mlx_lm_load(path, model_config=fields, get_model_classes=_classes)
+        inner, _ = mlx_lm_load(path, lazy=lazy, model_config=fields, get_model_classes=_classes)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
         raise UserError(f"{path}: mlx-lm cannot load it as {model_type} ({e})".splitlines()[0]) from None
     return Model(cast_floating(inner, dtype), config)
