@@ -28,6 +28,7 @@ from mlx_spec import distributed
 from mlx_spec.cache import trim_cache
 from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft, RowStates
+from mlx_spec.generate import context_overflow
 from mlx_spec.metrics import StepEvent
 from mlx_spec.models.load import cast_floating, compute_dtype
 from mlx_spec.policy import expected_tokens
@@ -365,7 +366,7 @@ def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> di
 class _Free(RowStates):
     """Drafts k copies of token 0 and costs nothing: a round's work beside its forwards (`round_overhead`)."""
 
-    def new_session(self) -> "_Free":
+    def _session(self) -> "_Free":
         return _Free()
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
@@ -427,8 +428,13 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
     dtype = compute_dtype()
     model = target.model
     prompts = load_prompts(args, target.tokenizer, template_args)
-    runners, drafters = make_runners(args, target)
     n = args.max_tokens
+    for i, prompt in enumerate(prompts):
+        overflow = context_overflow(len(prompt), n, model.args.max_position_embeddings)
+        if overflow:
+            raise UserError(f"--prompts: prompt {i + 1} of {len(prompts)}: {overflow}" if args.prompts
+                            else f"--prompt: {overflow}")
+    runners, drafters = make_runners(args, target)
 
     rows: list[Row] = []
     for temp in args.temps:

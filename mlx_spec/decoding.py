@@ -150,7 +150,7 @@ class Decoder:
         for drafter in drafters.values():
             members = sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is drafter)
             k = max(ks[b] for _, b in members)
-            steps[id(drafter)] = k if drafter.cost_per_token else min(k, 1)  # what its time is per
+            steps[id(drafter.lineage)] = k if drafter.cost_per_token else min(k, 1)  # what its time is per
             if k == 0:
                 continue  # a plain round for its rows: it reads what it missed when it next drafts
             proposed = drafter.propose([rows[b].context for _, b in members], [ks[b] for _, b in members],
@@ -172,7 +172,8 @@ class Decoder:
         mid = time.perf_counter()
         # The drafts computed while the verification was built: that building is the verification's.
         drafting = max(mid - tic - building, built - tic)
-        draft_times = {key: (drafting / len(drafters), k) for key, k in steps.items()}
+        share = drafting / max(len(drafters), 1)  # each drafter's part of it
+        draft_times = {key: (share, k) for key, k in steps.items()}
         asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])  # computed with the verdicts
         verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
         for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
@@ -180,15 +181,14 @@ class Decoder:
                 cut_cache(self.cache, b, starts[b] + 1 + len(path))
             else:
                 keep_cache(self.cache, [starts[b] + 1 + i for i in path], starts[b] + 1, b)
-        toc = time.perf_counter()
-        events = {}
+        toc, events = time.perf_counter(), {}
         for b, (r, draft, (path, token)) in enumerate(zip(rows, drafts, verdicts)):
             drafted = host.read(draft.tokens)
             tokens, at = [drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]
             self._commit(b, r, tokens, hidden, capture, mx.array(at))
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
-            events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted,
-                                      draft_times.get(id(r.drafter), (0.0,))[0], toc - mid, depth, read(asked, b, at, tokens))
+            events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted, share if r.drafter else 0.0,
+                                      toc - mid, depth, read(asked, b, at, tokens))
         end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
         self.policy.record([r.key for r in rows], ks, [e.accepted for e in events.values()],
                            inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic,
@@ -241,7 +241,7 @@ class Decoder:
         for b, (r, token) in enumerate(zip(self.rows, tokens)):
             self._commit(b, r, [token], hidden, capture)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic, logprobs=read(asked, b, [0], [token]))
-        drafters = {id(r.drafter): (0.0, 0) for r in self.rows if r.drafter is not None}
+        drafters = {id(r.drafter.lineage): (0.0, 0) for r in self.rows if r.drafter is not None}
         # What drafting must beat is plain decoding going on: a round queued that queues the next.
         if drafters and queued and self.queued is not None:
             end = time.perf_counter()

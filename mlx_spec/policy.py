@@ -143,11 +143,12 @@ class Policy:
         self.k_max, self.fixed = (fixed or k_max), fixed
         self.by_size: dict[int, Measured] = {}
         self.acceptance: dict[object, Acceptance] = {}  # row key -> its drafts' acceptance
-        # id(drafter) -> its rows' acceptance pooled: where a new row starts (a drafter that rarely
-        # hits at this temperature starts its next sequence knowing it)
+        # Per drafter, by the id of its `lineage` (its sessions share what is learned of it):
+        # its rows' acceptance pooled, where a new row starts (a drafter that rarely hits at this
+        # temperature starts its next sequence knowing it), and its seconds per drafting step.
         self.pooled: dict[int, Acceptance] = {}
-        self.owner: dict[object, int] = {}  # row key -> id(its drafter)
-        self.draft_cost: dict[int, float] = {}  # id(drafter) -> seconds per drafting step
+        self.owner: dict[object, int] = {}  # row key -> id(its drafter's lineage)
+        self.draft_cost: dict[int, float] = {}
         self.catching_up: set[int] = set()  # drafters whose next round first reads the tokens they missed
 
     @classmethod
@@ -159,7 +160,7 @@ class Policy:
         count half: a prompt lookup that found nothing to copy in one prompt may find much in the next."""
         if drafter is None:
             return cls(k_max, fixed)
-        policy = _REMEMBERED.setdefault(drafter, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
+        policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
         policy.acceptance.clear()
         policy.owner.clear()
         for B, m in policy.by_size.items():  # the rates of whole rounds go on, at half weight
@@ -176,8 +177,8 @@ class Policy:
 
     def _acceptance(self, key, drafter) -> Acceptance:
         if key not in self.acceptance:
-            self.owner[key] = id(drafter)
-            pooled = self.pooled.get(id(drafter))
+            self.owner[key] = id(drafter.lineage)
+            pooled = self.pooled.get(id(drafter.lineage))
             self.acceptance[key] = Acceptance(list(pooled.accepted), list(pooled.reached)) if pooled else Acceptance()
         return self.acceptance[key]
 
@@ -213,11 +214,11 @@ class Policy:
     def _times_per_token(self, m: Measured, keys: list, drafters: list) -> list[float]:
         """Seconds a token for each K = 0..k_max: drafting and verification over the rows' expected tokens."""
         rows = [self._acceptance(key, d).tokens(self.k_max) for key, d in zip(keys, drafters) if d is not None]
-        costly = [d for d in {id(d): d for d in drafters if d}.values() if d.costly]
+        costly = [d for d in {id(d.lineage): d for d in drafters if d}.values() if d.costly]
         times = []
         for k in range(self.k_max + 1):
             tokens = len(keys) - len(rows) + sum(r[k] for r in rows)
-            drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d), 0.0) for d in costly)
+            drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d.lineage), 0.0) for d in costly)
             times.append((drafting + m.verify_time(k + 1)) / tokens)
         return times
 
@@ -333,4 +334,4 @@ class Policy:
                     self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
 
 
-_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> {settings: Policy}
+_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lineage -> {settings: Policy}

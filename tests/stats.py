@@ -6,7 +6,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.decoding import speculative_steps
+from mlx_spec.decoding import Decoder, speculative_steps
 from mlx_spec.models import Model, parse_config
 from mlx_spec.sampling import log_probs
 from mlx_spec.testing import make_config, random_weights
@@ -51,12 +51,28 @@ def tv_bound(p, n, quantile=0.999, sims=4000):
     return float(np.quantile(0.5 * np.abs(draws - pv).sum(axis=1), quantile))
 
 
-def _draws(model, make_drafter, params, n_tokens, **options):
-    """Speculative samples of `n_tokens`, one after another, from seed 0."""
+ALONE, ROWS = 300, 10
+
+
+def _draws(model, make_drafter, params, n_tokens, acceptance="exact"):
+    """Speculative samples of `n_tokens` from seed 0: the first ALONE a sequence at a time (the batch of one,
+    as `generate` decodes), then ROWS at a time in one batch (as the server does; a drafter that holds one
+    row only, a sequence at a time still)."""
     mx.random.seed(0)
-    while True:
-        events = speculative_steps(model, STAT_PROMPT, params, n_tokens, make_drafter(), num_draft=3, **options)
-        yield tuple(tokens_of(events))
+    for i in itertools.count():
+        drafter = make_drafter()
+        if i < ALONE or drafter.one_row:
+            events = speculative_steps(model, STAT_PROMPT, params, n_tokens, drafter, num_draft=3, acceptance=acceptance)
+            yield tuple(tokens_of(events))
+            continue
+        decoder = Decoder(model, num_draft=3, acceptance=acceptance)
+        for b in range(ROWS):
+            decoder.add(b, STAT_PROMPT, params, n_tokens, drafter)
+        out = {b: [] for b in range(ROWS)}
+        while decoder.rows:
+            for key, event in decoder.step().items():
+                out[key] += event.tokens
+        yield from map(tuple, out.values())
 
 
 def _tv(counts, n, p):

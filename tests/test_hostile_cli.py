@@ -58,6 +58,8 @@ def test_prompt_and_max_tokens_beyond_the_context_are_refused(checkpoints):
     assert_one_line_error(generate(model, "--max-tokens", "1000000000"), "--max-tokens", "1000000000", "4096")
     long = cli_bounded("generate", "--model", model, "--prompt", "word " * 3000, "--max-tokens", "8")
     assert_one_line_error(long, "--max-tokens", "context of 4096 tokens")
+    bench = cli_bounded("bench", "--model", model, "--prompt", "word " * 3000, "--max-tokens", "8")
+    assert_one_line_error(bench, "--prompt", "--max-tokens", "context of 4096 tokens")
 
 
 def _bounded():

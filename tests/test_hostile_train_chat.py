@@ -79,6 +79,18 @@ def test_resume_refuses_a_state_without_a_step_or_damaged(run):
     assert_one_line_error(medusa(out, "--resume", "--heads", "2", "--steps", "4"), "checkpoint")
 
 
+def test_resume_refuses_optimizer_state_of_another_shape(run):
+    import mlx.core as mx
+
+    out, medusa = run
+    path = out / "checkpoint" / "optimizer.safetensors"
+    state = mx.load(str(path))
+    key = next(k for k in sorted(state) if k.endswith(".m") and state[k].ndim == 2)
+    state[key] = state[key][:, :-1]
+    mx.save_safetensors(str(path), state)
+    assert_one_line_error(medusa(out, "--resume", "--heads", "2", "--steps", "4"), "optimizer.safetensors", key)
+
+
 def test_resume_refuses_a_step_beyond_steps(run):
     out, medusa = run
     before = (out / "model.safetensors").read_bytes()

@@ -288,7 +288,7 @@ class EveryLength(HostDrafter):
         tokens[right:] = [(t + 1) % 256 for t in tokens[right:]]
         return Draft(mx.array(tokens, dtype=mx.int32))
 
-    def new_session(self):
+    def _session(self):
         return EveryLength(self.truth, self.k)
 
 
@@ -427,8 +427,9 @@ def test_bench_on_a_hybrid_target_reports_the_rollback(tmp_path):
     target_dir = tmp_path / "qwen3_5"
     shutil.copytree(FIXTURES / "qwen3_5", target_dir)
     make_tokenizer(target_dir, 250)
-    report = tmp_path / "bench.json"
-    proc = cli("bench", "--model", target_dir, "--drafters", "lookup", "--prompts", "copy", "--num-prompts", "1",
+    report, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\n" * 6}) + "\n")  # (context 512)
+    proc = cli("bench", "--model", target_dir, "--drafters", "lookup", "--prompts", prompts,
                "--max-tokens", "16", "--repeats", "1", "--temps", "0", "--no-chat-template", "--json", report)
     assert proc.returncode == 0, proc.stderr
     assert "linear-attention rollback:" in proc.stdout and "of a plain step" in proc.stdout

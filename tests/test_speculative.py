@@ -42,7 +42,7 @@ class Scripted(HostDrafter):
         self.states[b] = len(prompt)
         return cached
 
-    def new_session(self):
+    def _session(self):
         return Scripted(self.truth, self.corrupt_every)
 
 

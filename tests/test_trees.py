@@ -101,7 +101,7 @@ class ScriptedTree(HostDrafter):
         self.states[b] = len(prompt)
         return cached
 
-    def new_session(self):
+    def _session(self):
         return self
 
     def propose_row(self, b, context, k, params):
@@ -174,7 +174,7 @@ class SampledTree(HostDrafter):
         super().__init__()
         self.draft, self.replace, self.sample = draft, replace, sample
 
-    def new_session(self):
+    def _session(self):
         return SampledTree(self.draft, self.replace, self.sample)
 
     def _p(self, context, params):

@@ -157,9 +157,26 @@ class Drafter(ABC):
         states of `capture`); a drafter that already ran part of it (LayerSkip) reuses that."""
         return target(inputs, cache, capture=capture)
 
-    @abstractmethod
     def new_session(self) -> "Drafter":
+        """A drafter like this one (same weights, same settings) with no rows. What the decoding
+        policy learned of this one (its costs, its acceptance) goes on in it, as it does from one
+        turn of a chat to the next: they share a `lineage`."""
+        session = self._session()
+        session.lineage = self.lineage
+        return session
+
+    @abstractmethod
+    def _session(self) -> "Drafter":
         """A drafter like this one (same weights, same settings) with no rows."""
+
+    @property
+    def lineage(self) -> "Drafter":
+        """The drafter this one is a session of (itself, when made by `api.drafter`)."""
+        return self.__dict__.get("_lineage", self)
+
+    @lineage.setter
+    def lineage(self, drafter: "Drafter") -> None:
+        self.__dict__["_lineage"] = drafter
 
     @abstractmethod
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:

@@ -205,7 +205,7 @@ class DFlash(RowStates):
         # features [1, n, K * H] not in the cache yet; the tokens the cache was computed from
         return {"pending": [], "context": []}
 
-    def new_session(self) -> DFlash:
+    def _session(self) -> DFlash:
         return DFlash(self.net, self.target, self.budget, self.block_size)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

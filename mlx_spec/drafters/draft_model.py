@@ -38,7 +38,7 @@ class DraftModel(RowStates):
         # the drafted tokens it wrote then (lazy), until the commit
         return {"cached": [], "base": 0, "drafted": None}
 
-    def new_session(self) -> DraftModel:
+    def _session(self) -> DraftModel:
         return DraftModel(self.model, self.vocab, self.path)
 
     def _keep(self, b: int, n: int) -> None:

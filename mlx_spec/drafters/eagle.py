@@ -241,7 +241,7 @@ class Eagle(RowStates):
         # state [H] of the last committed slot; the tokens the slots were computed from
         return {"committed": 0, "pending": [], "ahead": None, "context": []}
 
-    def new_session(self) -> Eagle:
+    def _session(self) -> Eagle:
         return Eagle(self.net, self.target, self.budget, self.topk, self.depth)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

@@ -56,7 +56,7 @@ class LayerSkip(HostDrafter):
         self.cache: list[KVCache] = []
         self.saved: mx.array | None = None  # layer-E inputs of the drafted-over tokens [1, k, H]
 
-    def new_session(self) -> LayerSkip:
+    def _session(self) -> LayerSkip:
         return LayerSkip(self.target, self.fixed)
 
     def bind(self, cache: list[KVCache]) -> None:

@@ -52,7 +52,7 @@ class PromptLookup(HostDrafter):
             raise UserError(f"--drafter lookup: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def new_session(self) -> PromptLookup:
+    def _session(self) -> PromptLookup:
         return PromptLookup(self.min_n, self.max_n)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

@@ -130,7 +130,7 @@ class Medusa(RowStates):
         self.capture = (target.args.num_hidden_layers,)
         # per row: [H] at its last committed token, before the final norm (None until the prompt's come)
 
-    def new_session(self) -> Medusa:
+    def _session(self) -> Medusa:
         return Medusa(self.heads, self.target, self.paths or None, self.budget, self.chain)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

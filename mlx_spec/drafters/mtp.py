@@ -170,7 +170,7 @@ class MTP(RowStates):
         D = len(self.net.layers)
         return {"committed": [0] * D, "inputs": [None] * D, "ahead": None}
 
-    def new_session(self) -> MTP:
+    def _session(self) -> MTP:
         return MTP(self.net, self.target)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

@@ -93,7 +93,7 @@ class MTPHeadsDrafter(RowStates):
         n = len(self.heads.heads)
         return {"pending": [[] for _ in range(n)], "last": [None] * n}
 
-    def new_session(self) -> MTPHeadsDrafter:
+    def _session(self) -> MTPHeadsDrafter:
         return MTPHeadsDrafter(self.heads, self.target, self.budget)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

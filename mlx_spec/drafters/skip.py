@@ -144,7 +144,7 @@ class SkipDrafter(DraftModel):
     def skip(self) -> list[int] | None:
         return self.model.skip if self.searched else None
 
-    def new_session(self) -> SkipDrafter:
+    def _session(self) -> SkipDrafter:
         return SkipDrafter(self.target, self.skip, self.save_to)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

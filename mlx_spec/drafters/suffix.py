@@ -86,7 +86,7 @@ class SuffixDecoding(HostDrafter):
         self.trie = SuffixTrie(max_depth)
         self.alpha, self.min_prob = alpha, min_prob
 
-    def new_session(self) -> SuffixDecoding:
+    def _session(self) -> SuffixDecoding:
         return SuffixDecoding(self.trie.max_depth, self.alpha, self.min_prob)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

@@ -167,15 +167,15 @@ class Trainer:
         step = state.get("step") if isinstance(state, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UserError(f"{folder / 'state.json'}: 'step' must be an integer >= 0, got {step!r}")
-        self._check_resumable(state.get("config"), params, step)
+        self._check_resumable(state.get("config"), params, opt, step)
         self.model.load_weights(list(params.items()), strict=False)
         self.optimizer.state = tree_unflatten(list(opt.items()))
         self.step = step
         mx.eval(self.model.parameters(), self.optimizer.state)
 
-    def _check_resumable(self, saved: Any, params: dict[str, mx.array], step: int) -> None:
+    def _check_resumable(self, saved: Any, params: dict[str, mx.array], opt: dict[str, mx.array], step: int) -> None:
         """The checkpoint is this run's, part way: the same settings (where it recorded them),
-        the same trainable weights, and a step within `--steps`."""
+        the same trainable weights and optimizer state for them, and a step within `--steps`."""
         folder = self.checkpoint_dir
         settings = saved.get("settings") if isinstance(saved, dict) else None
         settings = settings if isinstance(settings, dict) else {}  # (checkpoints from before settings were kept)
@@ -190,6 +190,11 @@ class Trainer:
             if have is None or want is None or have.shape != want.shape:
                 raise UserError(f"--resume: {folder} holds another model: weight '{name}' is {_shape(have)} there, "
                                 f"{_shape(want)} in this run")
+        for key, value in sorted(opt.items()):  # a weight's moments ('NAME.m', 'NAME.v') are shaped as it is
+            name = key.rpartition(".")[0]
+            if name in expected and value.shape != expected[name].shape:
+                raise UserError(f"--resume: {folder / 'optimizer.safetensors'}: '{key}' is {_shape(value)}, "
+                                f"but weight '{name}' is {_shape(expected[name])}: the checkpoint is damaged")
         if step > self.config.steps:
             raise UserError(f"--resume: {folder} is at step {step}, beyond --steps {self.config.steps}: "
                             f"give --steps {step} or more to go on")
