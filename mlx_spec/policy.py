@@ -203,7 +203,7 @@ class Policy:
         if len(keys) == 1:
             if m.times and m.samples(1) < 2:
                 return True  # plain rounds, queued, measure what plain decoding costs
-            return bool(m.times) and self._one_best(m, keys, drafters) == 0 and \
+            return bool(m.times) and (m.plain_rounds > 0 or self._one_best(m, keys, drafters) == 0) and \
                 m.plain_rounds + 1 < (m.every or self.PROBE_EVERY)
         if m.mode == "explore":
             return m.samples(1) < 2
@@ -248,7 +248,8 @@ class Policy:
             return self.k_max  # start optimistic: the measured costs soon say
         if m.samples(1) < 2:  # and measure a plain round's cost: without it, every K looks as cheap
             return 0
-        best = self._one_best(m, keys, drafters)
+        # Plain until the next probe: of what the model reads, only the costs change without drafts.
+        best = 0 if m.plain_rounds else self._one_best(m, keys, drafters)
         if best:
             m.every = 0
             return best
