@@ -508,8 +508,12 @@ def format_report(report: dict) -> str:
     ]
     overhead = report.get("round_overhead")
     if overhead:
-        lines.insert(2, f"a round's host work (policy, acceptance, cache cuts, commits): {overhead['overhead_ms']:.2f} ms "
-                        f"beside its verification forward of {overhead['k'] + 1} tokens ({overhead['forward_ms']:.2f} ms)")
+        work = "a round's host work (policy, acceptance, cache cuts, commits): "
+        tokens = overhead["k"] + 1
+        lines.insert(2, work + (f"{overhead['overhead_ms']:.2f} ms beside its verification forward of {tokens} tokens "
+                                f"({overhead['forward_ms']:.2f} ms)" if overhead["overhead_ms"] > 0 else
+                                f"hidden: the round took {overhead['round_ms']:.2f} ms, its verification forward of "
+                                f"{tokens} tokens alone {overhead['forward_ms']:.2f} ms"))
     rollback = report.get("rollback")
     if rollback:
         lines.insert(2, f"linear-attention rollback: {rollback['rollback_ms']:.2f} ms a round (the recurrence replayed "
