@@ -289,6 +289,40 @@ def test_serve_under_two_ranks_answers_as_one_process(mode, tmp_path):
     assert done[1].stdout == done[1].stderr == ""
 
 
+def test_a_killed_rank_ends_the_server_with_one_line(tmp_path):
+    """A rank lost while `serve --shard` runs a request: rank 0 stops within --shard-timeout with one line
+    (the connection lost, or no word from it), exit 1."""
+    import threading
+    import urllib.request
+
+    args = ["serve", "--drafter", "draft", "--port", 0, "--shard", "tensor", "--shard-timeout", 3]
+    procs = ranks([args, args], tmp_path)
+    try:
+        port = int(procs[0].stdout.readline().rsplit(":", 1)[1].split("/")[0])
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 3000}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        client = threading.Thread(target=lambda: pytest.raises(Exception, urllib.request.urlopen, request, timeout=60))
+        client.start()
+        time.sleep(2)
+        procs[1].kill()
+        tic = time.monotonic()
+        survivor = finished(procs[0], timeout=60)
+        took = time.monotonic() - tic
+        client.join()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert survivor.returncode == 1 and took < 10, (took, survivor.stderr)
+    lines = survivor.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] in (
+        "mlx-spec: error: rank 0: lost the connection to another rank (it ended, or the link between them went down): "
+        "the run stops",
+        "mlx-spec: error: rank 0: no word from the other ranks for 3 s (one died or hangs; --shard-timeout): "
+        "the run stops"), survivor.stderr
+
+
 def test_chat_under_two_ranks_answers_as_one_process(tmp_path):
     """`mlx-spec chat --shard` under mlx.launch reads the lines mlx.launch passes every rank: rank 0 prints
     one process's answers, turn after turn (the cache kept between them), and alone saves the conversation."""
