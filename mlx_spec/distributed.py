@@ -13,7 +13,8 @@ stream; only the target's forward is split.
   states the drafter reads. No sum is reordered: logits are bit-identical to one process's.
 
 What must agree is checked, not assumed: at the start the ranks compare what they run (mlx and mlx-spec
-versions, mode), then the target's config, weights (names, shapes, first values) and the drafter, then
+versions, mode), then the target's checkpoint files (config, tensor names, places and first bytes: no
+weight is read before the split, after which each rank reads its share alone) and the drafter, then
 each generation's request and random state, and each round's tokens; a difference is one error naming
 the rank. The policy's choices (K, plain rounds) follow measured times, which differ between ranks: every
 rank records rank 0's. A rank that dies ends the others' next collective at once; one that hangs is
@@ -304,8 +305,8 @@ def _from_rank0(x: mx.array) -> mx.array:
 
 
 def _fingerprint(text: str, *modules) -> bytes:
-    """`text` and the modules' weights: each one's name, shape, dtype and first values (a checkpoint of the
-    same shapes but other weights differs there; reading them all would cost a pass over the model)."""
+    """`text` and the modules' weights (a drafter's, loaded whole): each one's name, shape, dtype and first
+    values (a checkpoint of the same shapes but other weights differs there)."""
     parts = [text.encode()]
     for module in modules:
         weights = sorted(tree_flatten(module.parameters()), key=lambda kv: kv[0])

@@ -371,7 +371,7 @@ class Plan:
     stop: bool = False
     digest: int = 0  # of the tokens of every round so far: a rank that parted from rank 0 stops
 
-    FIELDS = ("prompt", "params", "max_tokens", "stop", "seed", "logprobs", "id")  # what decoding a request reads
+    FIELDS = ("prompt", "max_tokens", "stop", "seed", "logprobs", "id")  # what decoding a request reads, with params
 
     def encode(self) -> bytes:
         joining = [{name: getattr(r, name) for name in self.FIELDS} | {"params": vars(r.params)} for r in self.joining]
@@ -506,7 +506,8 @@ class Engine:
                 self._guarded(key, self._end, reason, timed_out)
         if self.live:
             for key, event in self.decoder.step().items():
-                self.digest = zlib.crc32(f"{key} {event.tokens}".encode(), self.digest)
+                if distributed.active():
+                    self.digest = zlib.crc32(f"{key} {event.tokens}".encode(), self.digest)
                 self._guarded(key, self._answer, event)
         return False
 

@@ -21,6 +21,7 @@ the tensor).
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import json
 import math
@@ -148,8 +149,6 @@ def _check_safetensors(path: Path) -> list[tuple[int, int, str]]:
 def checkpoint_digest(directory: Path, config: str = "config.json", sample: int = 16) -> bytes:
     """What tells one checkpoint folder from another without reading its weights: its `config` file and,
     per safetensors file, every tensor's name, place and first `sample` bytes (a few reads a tensor)."""
-    import hashlib
-
     digest = hashlib.sha256((directory / config).read_bytes())
     for path in sorted(directory.glob("*.safetensors")):
         with open(path, "rb") as f:
