@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_spec import host, tree
 from mlx_spec.attention import TreeMask
@@ -210,16 +209,8 @@ class Decoder:
             parents = drafts[0].parents
             positions = mx.array([0] + tree.depths(parents)) + starts[0]
             return tokens, positions[None], TreeMask((-1, *(p + 1 for p in parents)), starts[0])
-        positions = np.zeros((len(drafts), S), dtype=np.int32)
-        mask = np.zeros((len(drafts), 1, S, max(starts) + S), dtype=bool)
-        for b, (d, L) in enumerate(zip(drafts, starts)):
-            n = len(d)
-            parents = d.parents if d.parents is not None else list(range(-1, n - 1))
-            positions[b, : n + 1] = L + np.array([0] + tree.depths(parents))
-            mask[b, 0, :, :L] = True
-            mask[b, 0, : n + 1, L : L + n + 1] = tree.ancestor_matrix([-1, *(p + 1 for p in parents)])
-            mask[b, 0, n + 1 :, L] = True  # padding queries: anything, their outputs are dropped
-        return tokens, mx.array(positions), mx.array(mask)
+        chains = [d.parents if d.parents is not None else list(range(-1, len(d) - 1)) for d in drafts]
+        return (tokens, *map(mx.array, tree.batch_layout(chains, starts, S)))  # positions, mask
 
     def _plain_step(self) -> dict[object, StepEvent]:
         """A plain round for every row; drafters still read the target's features.
@@ -227,8 +218,13 @@ class Decoder:
         tic = time.perf_counter()
         capture = self._capture()
         queued = self.queued is not None
-        y, hidden, asked = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
-        mx.async_eval(y)
+        y, hidden, asked, lp = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
+        # A drafter that guesses at no cost learns from this round the odds that a draft would have started well.
+        guesses = [(b, r.drafter.guess(r.slot, r.context)) for b, r in enumerate(self.rows)
+                   if r.drafter is not None and r.drafter.guesses]
+        odds = None if lp is None or not guesses else \
+            mx.exp(lp[mx.array([b for b, _ in guesses]), mx.array([x or 0 for _, x in guesses])])  # [n]
+        mx.async_eval(y, *([odds] if odds is not None else []))
         self.queued = None
         # Queued only where the next round is plain too: one that drafts would wait for it, then drop it.
         keys, drafters = [r.key for r in self.rows], [r.drafter for r in self.rows]
@@ -241,6 +237,9 @@ class Decoder:
         for b, (r, token) in enumerate(zip(self.rows, tokens)):
             self._commit(b, r, [token], hidden, capture)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic, logprobs=read(asked, b, [0], [token]))
+        odds = host.read(odds) if odds is not None else [float(tokens[b] == x) for b, x in guesses]  # greedy: 0 or 1
+        for (b, x), p in zip(guesses, odds):
+            self.policy.observe(self.rows[b].key, p if x is not None else 0.0)  # no draft: nothing accepted
         drafters = {id(r.drafter.lineage): (0.0, 0) for r in self.rows if r.drafter is not None}
         # What drafting must beat is plain decoding going on: a round queued that queues the next.
         if drafters and queued and self.queued is not None:
@@ -250,12 +249,13 @@ class Decoder:
         self._finish()
         return events
 
-    def _plain_forward(self, tokens: mx.array, capture: tuple[int, ...]) -> tuple[mx.array, tuple, dict]:
-        """The next token of every row `[B]` after `tokens` `[B, 1]`, the hidden
-        states `capture` names there and what the rows asking for log-probabilities get (lazy)."""
+    def _plain_forward(self, tokens: mx.array, capture: tuple[int, ...]) -> tuple:
+        """The next token of every row `[B]` after `tokens` `[B, 1]`, the hidden states `capture` names
+        there, what the rows asking for log-probabilities get and the distributions drawn from
+        `[B, V]` (None when every row is greedy), lazy."""
         logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
-        y = draw_rows(logits[:, -1], [r.params for r in self.rows])[0]
-        return y, hidden, gather(self.rows, lambda b: logits[b])
+        y, lp = draw_rows(logits[:, -1], [r.params for r in self.rows])
+        return y, hidden, gather(self.rows, lambda b: logits[b]), lp
 
     @staticmethod
     def _commit(b: int, r: Row, tokens: list[int], hidden: tuple, capture: tuple, at=slice(None)) -> None:

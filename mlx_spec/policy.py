@@ -59,33 +59,37 @@ class Acceptance:
     PRIOR = 0.8  # alpha where a position has not been reached yet
     PRIOR_WEIGHT = 0.25  # in rounds: weak, so that a drafter that never hits is soon known to
 
-    def rate(self, i: int) -> float:
-        """Position i's rate; a position never reached yet is taken as the last one reached."""
-        seen = [j for j in range(min(i + 1, len(self.reached))) if self.reached[j] > 0]
-        if not seen:
-            return self.PRIOR
-        j = i if i in seen else seen[-1]
-        return (self.accepted[j] + self.PRIOR * self.PRIOR_WEIGHT) / (self.reached[j] + self.PRIOR_WEIGHT)
+    def rates(self, k: int) -> list[float]:
+        """The rates of positions 0..k-1. What is known of one is weighed against the rate before it
+        (the first against `PRIOR`): a position seldom reached, or long ago, is taken as the one before."""
+        out, prior = [], self.PRIOR
+        for i in range(k):
+            if i < len(self.reached):
+                prior = (self.accepted[i] + prior * self.PRIOR_WEIGHT) / (self.reached[i] + self.PRIOR_WEIGHT)
+            out.append(prior)
+        return out
 
     def tokens(self, k_max: int) -> list[float]:
         """Expected tokens of a round of k drafts, for k = 0..k_max: 1 + a_0 + a_0 a_1 + ..."""
         out, reach = [1.0], 1.0
-        for i in range(k_max):
-            reach *= self.rate(i)
+        for rate in self.rates(k_max):
+            reach *= rate
             out.append(out[-1] + reach)
         return out
 
-    def update(self, k: int, n: int) -> None:
+    def update(self, k: int, n: float, decay: float = DECAY) -> None:
+        """A round of k drafts accepted n of them; n may be a fraction below 1 for k = 1 (a plain
+        round's odds that a draft's first token would have been accepted: see `Policy.observe`)."""
         # Position i is reached when the drafts before it were all accepted.
         while len(self.reached) < k:
             self.accepted.append(0.0)
             self.reached.append(0.0)
         for i in range(k):
-            self.accepted[i] *= DECAY
-            self.reached[i] *= DECAY
+            self.accepted[i] *= decay
+            self.reached[i] *= decay
             if i <= n:
                 self.reached[i] += 1
-                self.accepted[i] += i < n
+                self.accepted[i] += min(n - i, 1.0)
 
 
 @dataclass
@@ -137,6 +141,7 @@ class Policy:
     # features catches up on every token it missed when it next drafts: with many rows that costs.
     PROBE_FIRST, PROBE_LAST = 256, 4096
     MARGIN = 1.03  # a batch changes mode only for at least this much more throughput
+    OBSERVED_DECAY = 0.95  # weight of the past in a row's acceptance, for the odds plain rounds tell
     RATE_DECAY = 0.95  # per round, of the running sums of tokens and seconds
 
     def __init__(self, k_max: int, fixed: int | None = None):
@@ -182,6 +187,16 @@ class Policy:
             self.acceptance[key] = Acceptance(list(pooled.accepted), list(pooled.reached)) if pooled else Acceptance()
         return self.acceptance[key]
 
+    def observe(self, key, odds: float) -> None:
+        """A plain round's news of a row whose drafter guesses (`Drafter.guess`): its draft's first
+        token would have been accepted with probability `odds`. Its acceptance follows the text
+        without a probe, and the model may start drafting again when the text turns repetitive."""
+        for acceptance in (self.acceptance.get(key), self.pooled.get(self.owner.get(key))):
+            if acceptance is not None:  # one a round: their mean decides, not a lucky run of a few
+                acceptance.update(1, odds, self.OBSERVED_DECAY)
+        for m in self.by_size.values():
+            m.best = None  # the model's answer may change
+
     def choose(self, keys: list, drafters: list, rooms: list[int]) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not)."""
         for key, d in zip(keys, drafters):
@@ -204,7 +219,7 @@ class Policy:
             if m.times and m.samples(1) < 2:
                 return True  # plain rounds, queued, measure what plain decoding costs
             return bool(m.times) and (m.plain_rounds > 0 or self._one_best(m, keys, drafters) == 0) and \
-                m.plain_rounds + 1 < (m.every or self.PROBE_EVERY)
+                (m.plain_rounds + 1 < (m.every or self.PROBE_EVERY) or not self._probes(m, keys, drafters))
         if m.mode == "explore":
             return m.samples(1) < 2
         if m.mode == "plain":
@@ -256,9 +271,17 @@ class Policy:
         m.plain_rounds += 1
         if m.plain_rounds >= (m.every or self.PROBE_EVERY):  # in case acceptance or costs changed
             m.plain_rounds = 0
+            if not self._probes(m, keys, drafters):
+                m.plain_rounds = 1  # the model was just asked
+                return 0
             m.every = min(2 * (m.every or self.PROBE_EVERY), self.PROBE_EVERY_LAST)
             return min(self.PROBE_K, self.k_max)
         return 0
+
+    def _probes(self, m: Measured, keys: list, drafters: list) -> bool:
+        """Whether a probe is worth its round: not while the drafter's guesses, which plain rounds
+        weigh at no cost, keep the model saying plain."""
+        return not drafters[0].guesses or self._best(m, keys, drafters) > 0
 
     def _batch(self, keys: list, drafters: list) -> int:
         """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""

@@ -119,8 +119,25 @@ def accept_sampled(
     p one-hot). At the first rejection the token is drawn from the normalised
     residual max(0, q_i - p_i); if all are kept, the bonus from q_K.
     """
+    K, V = draft.shape[0], logits.shape[-1]
+    u = mx.random.uniform(shape=(K,))  # drawn outside the compiled rule: it stays a pure function
+    gumbel = mx.random.gumbel(shape=(K + 1, V))
+    rule = _compiled_accept(params, draft_log_probs is None)
+    return tuple(rule(logits, draft, u, gumbel) if draft_log_probs is None else
+                 rule(logits, draft, u, gumbel, draft_log_probs))
+
+
+@lru_cache(maxsize=16)
+def _compiled_accept(params: SamplingParams, one_hot: bool) -> Callable:
+    return mx.compile(lambda logits, draft, u, gumbel, *lp: _accept_sampled(logits, draft, u, gumbel, params,
+                                                                            None if one_hot else lp[0]))
+
+
+def _accept_sampled(logits: mx.array, draft: mx.array, u: mx.array, gumbel: mx.array, params: SamplingParams,
+                    draft_log_probs: mx.array | None) -> tuple[mx.array, mx.array]:
+    """`accept_sampled` with its uniforms `u` [K] and Gumbel noise `gumbel` [K+1, V] given."""
     K = draft.shape[0]
-    q = mx.exp(log_probs(logits, params))  # [K+1, V]
+    q = mx.exp(_log_probs(logits, params))  # [K+1, V]
     V = q.shape[-1]
     if draft_log_probs is None:
         p = (mx.arange(V)[None, :] == draft[:, None]).astype(q.dtype)  # [K, V] one-hot
@@ -129,7 +146,7 @@ def accept_sampled(
     idx = draft[:, None]
     q_x = mx.take_along_axis(q[:K], idx, axis=-1)[:, 0]  # [K]
     p_x = mx.take_along_axis(p, idx, axis=-1)[:, 0]
-    keep = mx.random.uniform(shape=(K,)) * p_x < q_x  # u < q/p, without dividing
+    keep = u * p_x < q_x  # u < q/p, without dividing
     n = mx.cumprod(keep.astype(mx.int32)).sum()
     residual = mx.maximum(q[:K] - p, 0.0)  # [K, V]
     # A row with no residual mass (p == q there) is never reached: rejection
@@ -137,7 +154,7 @@ def accept_sampled(
     empty = residual.sum(axis=-1, keepdims=True) <= 0
     residual = mx.where(empty, q[:K], residual)
     rows = mx.concatenate([residual, q[K:]], axis=0)  # [K+1, V]
-    candidates = mx.random.categorical(mx.log(rows), axis=-1)  # [K+1]
+    candidates = mx.argmax(mx.log(rows) + gumbel, axis=-1)  # [K+1]: a draw from each row (Gumbel-max)
     return n, mx.take(candidates, n)
 
 

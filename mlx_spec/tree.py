@@ -65,6 +65,22 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     return seen
 
 
+def batch_layout(parents: Sequence[Sequence[int]], starts: Sequence[int], S: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions `[B, S]` and the attention mask `[B, 1, S, max(starts) + S]` of one verification
+    over several rows, each its pending token then its draft's nodes (`parents[b]`; a chain is a
+    tree of one branch), padded to S: row b sees its own cache (`starts[b]` tokens) and its
+    draft's ancestry."""
+    positions = np.zeros((len(parents), S), dtype=np.int32)
+    mask = np.zeros((len(parents), 1, S, max(starts) + S), dtype=bool)
+    for b, (row, L) in enumerate(zip(parents, starts)):
+        n = len(row)
+        positions[b, : n + 1] = L + np.array([0] + depths(row))
+        mask[b, 0, :, :L] = True
+        mask[b, 0, : n + 1, L : L + n + 1] = ancestor_matrix([-1, *(p + 1 for p in row)])
+        mask[b, 0, n + 1 :, L] = True  # padding queries: anything, their outputs are dropped
+    return positions, mask
+
+
 def path_to(parents: Sequence[int], node: int) -> list[int]:
     """The nodes from the root's child down to `node` (empty for the root, -1)."""
     path = []

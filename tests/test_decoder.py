@@ -186,3 +186,35 @@ def test_the_round_reads_the_device_only_through_host_read():
     for name in ("decoding.py", "sampling.py", "policy.py", "cache.py", "drafters/base.py", "drafters/draft_model.py"):
         text = (root / name).read_text()
         assert ".tolist()" not in text and ".item()" not in text, name
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_plain_rounds_tell_the_policy_the_odds_of_each_guess(monkeypatch, target, temp):
+    """A plain round of rows drafting by prompt lookup (one at each temperature, in one batch) tells
+    the policy, per row, the target's probability of the token the lookup would have drafted
+    (greedy: 1 when it is the argmax, else 0), computed by the round's own forward."""
+    from mlx_spec.policy import Policy
+    from mlx_spec.sampling import log_probs
+
+    seen = []
+    monkeypatch.setattr(Policy, "observe", lambda self, key, odds: seen.append((key, odds)))
+    monkeypatch.setattr(Policy, "choose", lambda self, keys, drafters, rooms: [0] * len(keys))
+    drafter = PromptLookup(1, 3)
+    params = {0: SamplingParams(temp=temp), 1: SamplingParams(temp=1.0 - temp)}
+    decoder = Decoder(target)
+    for key in (0, 1):
+        decoder.add(key, PROMPTS[key], params[key], 12, drafter)
+    sampled = []  # the sampled row's odds: fractions, not only 0 or 1
+    for _ in range(10):
+        expected = {}
+        for b, row in enumerate(decoder.rows):
+            guess = drafter.guess(row.slot, row.context)
+            logits, _ = target(mx.array([row.context]), target.make_cache())
+            lp = log_probs(logits[0, -1], row.params) if row.params.temp else None
+            expected[row.key] = 0.0 if guess is None else (
+                float(mx.exp(lp[guess])) if lp is not None else float(int(mx.argmax(logits[0, -1])) == guess))
+        seen.clear()
+        decoder.step()
+        assert {key: round(odds, 4) for key, odds in seen} == {key: round(p, 4) for key, p in expected.items()}
+        sampled += [odds for key, odds in seen if params[key].temp]
+    assert any(0.01 < odds < 0.99 for odds in sampled)

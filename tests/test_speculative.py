@@ -274,7 +274,7 @@ def one_row_policy(k_drafted, accepted, draft_time, verify_time, rounds=30):
 
     policy = Policy(8)
     drafter = PromptLookup()
-    drafter.costly = True
+    drafter.costly, drafter.guesses = True, False  # a stand-in for a draft model
     for _ in range(3):  # plain rounds, as a decoder measures them (the first of a shape is not counted)
         policy.record([0], [0], [0], 1, 1, verify_time(1), verify_time(1), {id(drafter): (0.0, 0)})
     for i in range(rounds):
@@ -300,6 +300,26 @@ def test_draft_length_follows_acceptance_and_costs():
     assert steep.choose([0], [d1], [100])[0] < flat.choose([0], [d2], [100])[0]
     assert Policy(8, fixed=5).choose([0], [d1], [100]) == [5]
     assert Policy(8).choose([0], [d1], [2]) == [2]  # never past the room the row has left
+
+
+def test_a_drafter_that_guesses_is_weighed_by_plain_rounds_instead_of_probes():
+    """Prompt lookup at a temperature where its drafts are rarely kept: plain rounds tell the odds of
+    each guess (`Policy.observe`), so no round is spent on a probe while they stay low, and drafting
+    starts again within a few rounds once the text makes them high."""
+    from mlx_spec.policy import Policy
+
+    policy, d = one_row_policy(4, 0, draft_time=0.0, verify_time=lambda k: 1.0 + 0.1 * k)
+    d.costly, d.guesses = False, True
+    assert policy.choose([0], [d], [100]) == [0]
+    for _ in range(8 * Policy.PROBE_EVERY):
+        policy.observe(0, 0.05)
+        assert policy.choose([0], [d], [100]) == [0]
+        assert policy.plain_next([0], [d])  # so each plain round may queue the next
+    rounds = 0
+    while policy.choose([0], [d], [100]) == [0]:
+        policy.observe(0, 1.0)
+        rounds += 1
+        assert rounds <= 3 * Policy.PROBE_EVERY
 
 
 @pytest.mark.parametrize("kind", ["lookup", "suffix"])

@@ -127,6 +127,8 @@ class Drafter(ABC):
     capture: tuple[int, ...] = ()
     # Self-speculation drafts into the target's own cache: one row only.
     one_row = False
+    # True when `guess` names, on the host and at no cost, the token a draft would start with.
+    guesses = False
 
     @property
     @abstractmethod
@@ -182,6 +184,11 @@ class Drafter(ABC):
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         """For each row b, up to `ks[b]` tokens to follow `contexts[b]` (its prompt and
         every committed token); k = 0 asks for nothing (an empty draft)."""
+
+    def guess(self, b: int, context: list[int]) -> int | None:
+        """The first token row b would draft after `context` (None: it would draft nothing), its state
+        unchanged: a plain round then tells how likely that draft was to be accepted."""
+        return None
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         """Row b's target accepted up to the end of `context`; drop stale state.

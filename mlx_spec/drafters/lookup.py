@@ -45,6 +45,7 @@ class Index:
 
 class PromptLookup(HostDrafter):
     kind = "lookup"
+    guesses = True
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         super().__init__()
@@ -65,6 +66,9 @@ class PromptLookup(HostDrafter):
 
     def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
         return Draft(mx.array(self.states[b].draft(context, k), dtype=mx.int32))
+
+    def guess(self, b: int, context: list[int]) -> int | None:
+        return next(iter(self.states[b].draft(context, 1)), None)
 
 
 KINDS = (Kind("lookup", "the tokens that followed the last n-gram earlier in the text (--ngram-min, --ngram-max)",

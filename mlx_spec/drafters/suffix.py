@@ -78,6 +78,7 @@ class SuffixDecoding(HostDrafter):
     """Rows share the trie (everything the session has seen); each has its own suffixes."""
 
     kind = "suffix"
+    guesses = True
 
     def __init__(self, max_depth: int = 24, alpha: float = 2.0, min_prob: float = 0.1):
         super().__init__()
@@ -102,6 +103,12 @@ class SuffixDecoding(HostDrafter):
         self.states[b] = (active, len(context))
 
     def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
+        return Draft(mx.array(self._draft(b, context, k), dtype=mx.int32))
+
+    def guess(self, b: int, context: list[int]) -> int | None:
+        return next(iter(self._draft(b, context, 1)), None)
+
+    def _draft(self, b: int, context: list[int], k: int) -> list[int]:
         trie = self.trie
         node = trie.longest_match(self.states[b][0])
         limit = min(k, int(self.alpha * trie.depth[node]))
@@ -118,7 +125,7 @@ class SuffixDecoding(HostDrafter):
                 break
             tokens.append(trie.best_token[node])
             node = child
-        return Draft(mx.array(tokens, dtype=mx.int32))
+        return tokens
 
 
 KINDS = (Kind("suffix", "a suffix trie of everything this session has seen, most frequent continuation first",
