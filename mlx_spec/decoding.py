@@ -136,10 +136,12 @@ class Decoder:
     def step(self) -> dict[object, StepEvent]:
         """One round for every row still decoding."""
         rows = self.rows
+        guesses = {b: r.drafter.guess(r.slot, r.context) for b, r in enumerate(rows) if r.drafter and r.drafter.guesses}
         ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
                                 [max(r.max_tokens - r.produced - 1, 0) for r in rows])  # a round adds one token
+        ks = [0 if guesses.get(b, 0) is None else k for b, k in enumerate(ks)]  # nothing to draft: plain for it
         if not any(ks):
-            return self._plain_step()
+            return self._plain_step(guesses)
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
         tic = time.perf_counter()
@@ -212,18 +214,16 @@ class Decoder:
         chains = [d.parents if d.parents is not None else list(range(-1, len(d) - 1)) for d in drafts]
         return (tokens, *map(mx.array, tree.batch_layout(chains, starts, S)))  # positions, mask
 
-    def _plain_step(self) -> dict[object, StepEvent]:
-        """A plain round for every row; drafters still read the target's features.
+    def _plain_step(self, guesses: dict[int, int | None]) -> dict[object, StepEvent]:
+        """A plain round for every row; drafters still read the target's features, and those that guess
+        (`guesses`: row -> the token its draft would start with) learn the odds it had of being accepted.
         The next round is queued before this one's tokens are read (the host builds it meanwhile)."""
         tic = time.perf_counter()
         capture = self._capture()
         queued = self.queued is not None
         y, hidden, asked, lp = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
-        # A drafter that guesses at no cost learns from this round the odds that a draft would have started well.
-        guesses = [(b, r.drafter.guess(r.slot, r.context)) for b, r in enumerate(self.rows)
-                   if r.drafter is not None and r.drafter.guesses]
-        odds = None if lp is None or not guesses else \
-            mx.exp(lp[mx.array([b for b, _ in guesses]), mx.array([x or 0 for _, x in guesses])])  # [n]
+        hits = [(b, x) for b, x in guesses.items() if x is not None]
+        odds = None if lp is None or not hits else mx.exp(lp[mx.array([b for b, _ in hits]), mx.array([x for _, x in hits])])
         mx.async_eval(y, *([odds] if odds is not None else []))
         self.queued = None
         # Queued only where the next round is plain too: one that drafts would wait for it, then drop it.
@@ -237,9 +237,9 @@ class Decoder:
         for b, (r, token) in enumerate(zip(self.rows, tokens)):
             self._commit(b, r, [token], hidden, capture)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic, logprobs=read(asked, b, [0], [token]))
-        odds = host.read(odds) if odds is not None else [float(tokens[b] == x) for b, x in guesses]  # greedy: 0 or 1
-        for (b, x), p in zip(guesses, odds):
-            self.policy.observe(self.rows[b].key, p if x is not None else 0.0)  # no draft: nothing accepted
+        odds = host.read(odds) if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
+        for (b, _), p in zip(hits, odds):
+            self.policy.observe(self.rows[b].key, p)
         drafters = {id(r.drafter.lineage): (0.0, 0) for r in self.rows if r.drafter is not None}
         # What drafting must beat is plain decoding going on: a round queued that queues the next.
         if drafters and queued and self.queued is not None:

@@ -97,6 +97,9 @@ class Measured:
     """What the policy has measured at one batch size, and where a batch stands."""
 
     times: dict[int, deque] = field(default_factory=dict)  # K + 1 -> recent seconds of a verification
+    # K + 1 > 1 -> the same, over the plain round's median then: this machine's speed drifts by more
+    # than the differences weighed, and drafting rounds, rarer than plain ones, would be weighed stale.
+    ratios: dict[int, deque] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)  # shapes verified at least once (the first also compiles)
     tokens: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # drafting? -> sums
     seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
@@ -106,12 +109,15 @@ class Measured:
     every: int = 0  # while plain: rounds between two drafting runs (one row: probes)
     plain_rounds: int = 0  # one row: plain rounds since the last probe
     best: tuple | None = None  # (rows, drafters) -> K: the model's choice since the last record
+    probe: bool | None = None  # one row: whether the next round probes, as the round before found
     medians: dict | None = None  # S -> the median of `times[S]`, since the last record
 
     def verify_time(self, S: int) -> float:
         """Measured, or from a line through the measured lengths (flat with one)."""
         if self.medians is None:  # once a round: the model asks for every K
-            self.medians = {s: statistics.median(t) for s, t in self.times.items()}
+            plain = statistics.median(self.times[1]) if self.times.get(1) else None
+            self.medians = {s: statistics.median(self.ratios[s]) * plain if plain and s in self.ratios else
+                            statistics.median(t) for s, t in self.times.items()}
         medians = self.medians
         if S in medians:
             return medians[S]
@@ -142,6 +148,9 @@ class Policy:
     PROBE_FIRST, PROBE_LAST = 256, 4096
     MARGIN = 1.03  # a batch changes mode only for at least this much more throughput
     OBSERVED_DECAY = 0.95  # weight of the past in a row's acceptance, for the odds plain rounds tell
+    # A drafter that often finds nothing to draft (its rounds then verify one token, whatever K) has
+    # verification times that mix two costs: its model must promise this much before it drafts.
+    GUESSING_MARGIN = 1.15
     RATE_DECAY = 0.95  # per round, of the running sums of tokens and seconds
 
     def __init__(self, k_max: int, fixed: int | None = None):
@@ -169,7 +178,7 @@ class Policy:
         policy.acceptance.clear()
         policy.owner.clear()
         for B, m in policy.by_size.items():  # the rates of whole rounds go on, at half weight
-            policy.by_size[B] = Measured(m.times, m.seen, {d: t / 2 for d, t in m.tokens.items()},
+            policy.by_size[B] = Measured(m.times, m.ratios, m.seen, {d: t / 2 for d, t in m.tokens.items()},
                                          {d: t / 2 for d, t in m.seconds.items()})
         return policy
 
@@ -188,9 +197,10 @@ class Policy:
         return self.acceptance[key]
 
     def observe(self, key, odds: float) -> None:
-        """A plain round's news of a row whose drafter guesses (`Drafter.guess`): its draft's first
-        token would have been accepted with probability `odds`. Its acceptance follows the text
-        without a probe, and the model may start drafting again when the text turns repetitive."""
+        """A plain round's news of a row whose drafter guessed a token (`Drafter.guess`): a draft
+        starting with it would have been accepted with probability `odds`. Its acceptance follows the
+        text without a probe, and the model may start drafting again when the text turns repetitive.
+        (A row with nothing to draft decodes plainly, whatever its K: it has nothing to learn.)"""
         for acceptance in (self.acceptance.get(key), self.pooled.get(self.owner.get(key))):
             if acceptance is not None:  # one a round: their mean decides, not a lucky run of a few
                 acceptance.update(1, odds, self.OBSERVED_DECAY)
@@ -238,13 +248,15 @@ class Policy:
         return times
 
     def _best(self, m: Measured, keys: list, drafters: list) -> int:
-        """The K with the least time per token; drafting only where it promises `MARGIN` over plain.
+        """The K with the least time per token; drafting only where it promises `MARGIN` over plain
+        (`GUESSING_MARGIN` for drafters that guess: lookup, suffix).
         Kept until the next `record` (a round asks twice: its K, and whether the next is plain)."""
         if m.best is not None and m.best[0] == (keys, [id(d) for d in drafters]):
             return m.best[1]
         times = self._times_per_token(m, keys, drafters)
         best = min(range(self.k_max + 1), key=times.__getitem__)
-        best = best if times[best] * self.MARGIN < times[0] else 0
+        margin = self.GUESSING_MARGIN if any(d is not None and d.guesses for d in drafters) else self.MARGIN
+        best = best if times[best] * margin < times[0] else 0
         m.best = ((list(keys), [id(d) for d in drafters]), best)
         return best
 
@@ -271,7 +283,8 @@ class Policy:
         m.plain_rounds += 1
         if m.plain_rounds >= (m.every or self.PROBE_EVERY):  # in case acceptance or costs changed
             m.plain_rounds = 0
-            if not self._probes(m, keys, drafters):
+            probe, m.probe = (m.probe if m.probe is not None else self._probes(m, keys, drafters)), None
+            if not probe:
                 m.plain_rounds = 1  # the model was just asked
                 return 0
             m.every = min(2 * (m.every or self.PROBE_EVERY), self.PROBE_EVERY_LAST)
@@ -281,7 +294,8 @@ class Policy:
     def _probes(self, m: Measured, keys: list, drafters: list) -> bool:
         """Whether a probe is worth its round: not while the drafter's guesses, which plain rounds
         weigh at no cost, keep the model saying plain."""
-        return not drafters[0].guesses or self._best(m, keys, drafters) > 0
+        m.probe = not drafters[0].guesses or self._best(m, keys, drafters) > 0
+        return m.probe
 
     def _batch(self, keys: list, drafters: list) -> int:
         """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""
@@ -340,6 +354,8 @@ class Policy:
         m.seen.add(S)
         drafting = any(ks)
         if not first:
+            if any(ks) and m.times.get(1):
+                m.ratios.setdefault(max(ks) + 1, deque(maxlen=RECENT)).append(verify_time / statistics.median(m.times[1]))
             m.times.setdefault(max(ks) + 1, deque(maxlen=RECENT)).append(verify_time)
             d = self.RATE_DECAY
             m.tokens[drafting] = d * m.tokens[drafting] + tokens

@@ -191,8 +191,8 @@ def test_the_round_reads_the_device_only_through_host_read():
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_plain_rounds_tell_the_policy_the_odds_of_each_guess(monkeypatch, target, temp):
     """A plain round of rows drafting by prompt lookup (one at each temperature, in one batch) tells
-    the policy, per row, the target's probability of the token the lookup would have drafted
-    (greedy: 1 when it is the argmax, else 0), computed by the round's own forward."""
+    the policy, per row that has something to draft, the target's probability of the token the lookup
+    would have drafted (greedy: 1 when it is the argmax, else 0), computed by the round's own forward."""
     from mlx_spec.policy import Policy
     from mlx_spec.sampling import log_probs
 
@@ -211,8 +211,9 @@ def test_plain_rounds_tell_the_policy_the_odds_of_each_guess(monkeypatch, target
             guess = drafter.guess(row.slot, row.context)
             logits, _ = target(mx.array([row.context]), target.make_cache())
             lp = log_probs(logits[0, -1], row.params) if row.params.temp else None
-            expected[row.key] = 0.0 if guess is None else (
-                float(mx.exp(lp[guess])) if lp is not None else float(int(mx.argmax(logits[0, -1])) == guess))
+            if guess is not None:  # a row with nothing to draft learns nothing
+                expected[row.key] = float(mx.exp(lp[guess])) if lp is not None else \
+                    float(int(mx.argmax(logits[0, -1])) == guess)
         seen.clear()
         decoder.step()
         assert {key: round(odds, 4) for key, odds in seen} == {key: round(p, 4) for key, p in expected.items()}
