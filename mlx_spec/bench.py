@@ -5,17 +5,19 @@ mlx-spec speculative decoding with each `--drafters` SPEC, and mlx-lm's own
 speculative decoding beside each draft model. Every method decodes the same
 prompts for the same number of tokens from the same checkpoint; for each
 repeat and prompt the methods run one after another, so machine noise hits all
-alike. Per method and temperature we report the median decode tokens/s (and
-its spread), the median over runs of the ratio to plain decoding on the same
-prompt and repeat, tau (tokens per target forward), acceptance by draft
-position, the drafting overhead c, and for greedy rows whether every output was
-identical to plain decoding's. Decode tokens/s counts the tokens after the
+alike, in a new order each time (a run is slowed or sped by what ran just before
+it). Per method and temperature we report the median decode tokens/s (and its
+spread), the median over runs of the ratio to plain decoding on the same prompt
+and repeat, tau (tokens per target forward), acceptance by draft position, the
+drafting overhead c, and for greedy rows whether every output was identical to
+plain decoding's. Decode tokens/s counts the tokens after the
 first (which the prompt pass produces) over the time they took.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,9 +222,21 @@ def time_run(events: Iterator[StepEvent], n_prompt: int, max_tokens: int, metric
         if len(out) >= max_tokens:
             break
     end = time.perf_counter()
+    settle(events)
     out = out[:max_tokens]
     decode = (len(out) - 1) / (end - first) if len(out) > 1 else 0.0
     return n_prompt / (first - start), decode, out
+
+
+def settle(events: Iterator) -> None:
+    """End a run before the next starts: mlx-lm's generators compute a step ahead, on a stream
+    of their own, and what is left in flight would slow the next method's run."""
+    from mlx_lm.generate import generation_stream
+
+    if hasattr(events, "close"):
+        events.close()
+    mx.synchronize(generation_stream)
+    mx.synchronize()
 
 
 def load_prompts(args: argparse.Namespace, tokenizer, template_args: dict | None = None) -> list[list[int]]:
@@ -443,9 +457,13 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         for run in runners.values():  # warm-up: compile, allocate
             time_run(run(prompts[0], params, 8), len(prompts[0]), 8)
         for r in range(args.repeats):
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 timed = {}
-                for name, run in runners.items():
+                # A new order each time: a run is slowed or sped by what ran just before it, and no
+                # method should always follow the same one.
+                order = list(runners.items())
+                random.Random(r * len(prompts) + i).shuffle(order)
+                for name, run in order:
                     mx.random.seed(r)
                     mx.reset_peak_memory()
                     timed[name] = time_run(run(prompt, params, n), len(prompt), n, table[name].metrics)

@@ -8,12 +8,16 @@ costs the drafting (a forward per step for a costly drafter, shared by all the
 rows it drafts for) and one verification of B rows of K + 1 tokens. The
 seed's formula takes the verification as flat in K (memory-bound decoding); on
 a CPU, or for a small target, it is not, so the recent times are kept per
-batch size and verified length, with a line through the measured lengths for
-the others. The K with the least time per token wins; K = 0 is plain decoding.
+batch size and verified length (as ratios to the plain round's at the time: a
+machine's speed drifts), with a line through the measured lengths for the
+others. The K with the least time per token wins; K = 0 is plain decoding.
 
 One row starts optimistic (K at its most) and follows the model, probing again
-after a few plain rounds (further apart while the probes lose). A batch is where the model is least reliable
-(padding, rows whose drafter finds nothing, a forward that turns
+after a few plain rounds (further apart while the probes lose). A drafter that
+guesses on the host (prompt lookup, suffix decoding) needs no probe: each plain
+round tells the odds that its guess would have been accepted (`observe`). A
+batch is where the model is least reliable (padding, rows whose drafter finds
+nothing, a forward that turns
 compute-bound), so there the measured throughput of whole rounds decides
 whether to draft at all: it first times plain rounds and one-token drafts;
 while drafting, a short run of plain rounds now and then keeps the comparison
