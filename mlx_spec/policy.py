@@ -187,7 +187,10 @@ class Policy:
         return policy
 
     def measured(self, B: int) -> Measured:
-        return self.by_size.setdefault(B, Measured())
+        m = self.by_size.get(B)  # asked several times a round: no `Measured` built to be dropped
+        if m is None:
+            m = self.by_size[B] = Measured()
+        return m
 
     def forget(self, key) -> None:
         self.acceptance.pop(key, None)
