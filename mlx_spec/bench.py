@@ -21,7 +21,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -42,7 +42,7 @@ PLAIN = "mlx-spec"
 SUITES = Path(__file__).parent / "prompts"  # built-in prompt suites, NAME.jsonl
 
 # A runner decodes one prompt: (prompt tokens, params, max tokens) -> step events.
-Runner = Callable[[list[int], SamplingParams, int], Iterator[StepEvent]]
+Runner = Callable[[list[int], SamplingParams, int], Generator[StepEvent, None, None]]
 
 
 @dataclass
@@ -208,7 +208,7 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else 0.0
 
 
-def time_run(events: Iterator[StepEvent], n_prompt: int, max_tokens: int, metrics: Metrics | None = None):
+def time_run(events: Generator[StepEvent, None, None], n_prompt: int, max_tokens: int, metrics: Metrics | None = None):
     """(prompt tok/s, decode tok/s, tokens) of one run; its events go into `metrics`."""
     start = time.perf_counter()
     out: list[int] = []
@@ -228,13 +228,12 @@ def time_run(events: Iterator[StepEvent], n_prompt: int, max_tokens: int, metric
     return n_prompt / (first - start), decode, out
 
 
-def settle(events: Iterator) -> None:
+def settle(events: Generator) -> None:
     """End a run before the next starts: mlx-lm's generators compute a step ahead, on a stream
     of their own, and what is left in flight would slow the next method's run."""
     from mlx_lm.generate import generation_stream
 
-    if hasattr(events, "close"):
-        events.close()
+    events.close()
     mx.synchronize(generation_stream)
     mx.synchronize()
 

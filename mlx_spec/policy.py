@@ -235,8 +235,12 @@ class Policy:
         if len(keys) == 1:
             if m.times and m.samples(1) < 2:
                 return True  # plain rounds, queued, measure what plain decoding costs
-            return bool(m.times) and (m.plain_rounds > 0 or self._one_best(m, keys, drafters) == 0) and \
-                (m.plain_rounds + 1 < (m.every or self.PROBE_EVERY) or not self._probes(m, keys, drafters))
+            if not m.times or not (m.plain_rounds > 0 or self._one_best(m, keys, drafters) == 0):
+                return False
+            if m.plain_rounds + 1 < (m.every or self.PROBE_EVERY):
+                return True
+            m.probe = self._probes(m, keys, drafters)  # the next round would ask the same: it is kept
+            return not m.probe
         if m.mode == "explore":
             return m.samples(1) < 2
         if m.mode == "plain":
@@ -301,8 +305,7 @@ class Policy:
     def _probes(self, m: Measured, keys: list, drafters: list) -> bool:
         """Whether a probe is worth its round: not while the drafter's guesses, which plain rounds
         weigh at no cost, keep the model saying plain."""
-        m.probe = not drafters[0].guesses or self._best(m, keys, drafters) > 0
-        return m.probe
+        return not drafters[0].guesses or self._best(m, keys, drafters) > 0
 
     def _batch(self, keys: list, drafters: list) -> int:
         """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""
@@ -361,9 +364,11 @@ class Policy:
         m.seen.add(S)
         drafting = any(ks)
         if not first:
-            if any(ks) and m.times.get(1):
-                m.ratios.setdefault(max(ks) + 1, deque(maxlen=RECENT)).append(verify_time / statistics.median(m.times[1]))
-            m.times.setdefault(max(ks) + 1, deque(maxlen=RECENT)).append(verify_time)
+            chosen = max(ks) + 1
+            if drafting and m.times.get(1):
+                ratio = verify_time / statistics.median(m.times[1])
+                m.ratios.setdefault(chosen, deque(maxlen=RECENT)).append(ratio)
+            m.times.setdefault(chosen, deque(maxlen=RECENT)).append(verify_time)
             d = self.RATE_DECAY
             m.tokens[drafting] = d * m.tokens[drafting] + tokens
             m.seconds[drafting] = d * m.seconds[drafting] + seconds
