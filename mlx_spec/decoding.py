@@ -138,20 +138,18 @@ class Decoder:
         rows = self.rows
         guesses = {b: r.drafter.guess(r.slot, r.context) for b, r in enumerate(rows) if r.drafter and r.drafter.guesses}
         ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
-                                [max(r.max_tokens - r.produced - 1, 0) for r in rows])  # a round adds one token
-        ks = [0 if guesses.get(b, 0) is None else k for b, k in enumerate(ks)]  # nothing to draft: plain for it
+                                [max(r.max_tokens - r.produced - 1, 0) for r in rows],  # a round adds one token
+                                [guesses.get(b, 0) is None for b in range(len(rows))])  # nothing to draft
         if not any(ks):
             return self._plain_step(guesses)
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
         tic = time.perf_counter()
         drafts: list[Draft] = [EMPTY()] * len(rows)
-        steps = {}
         drafters = {id(r.drafter): r.drafter for r in rows if r.drafter is not None}
         for drafter in drafters.values():
             members = sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is drafter)
             k = max(ks[b] for _, b in members)
-            steps[id(drafter.lineage)] = k if drafter.cost_per_token else min(k, 1)  # what its time is per
             if k == 0:
                 continue  # a plain round for its rows: it reads what it missed when it next drafts
             proposed = drafter.propose([rows[b].context for _, b in members], [ks[b] for _, b in members],
@@ -174,7 +172,6 @@ class Decoder:
         # The drafts computed while the verification was built: that building is the verification's.
         drafting = max(mid - tic - building, built - tic)
         share = drafting / max(len(drafters), 1)  # each drafter's part of it
-        draft_times = {key: (share, k) for key, k in steps.items()}
         asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])  # computed with the verdicts
         verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
         for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
@@ -192,8 +189,7 @@ class Decoder:
                                       toc - mid, depth, read(asked, b, at, tokens))
         end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
         self.policy.record([r.key for r in rows], ks, [e.accepted for e in events.values()],
-                           inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic,
-                           end - tic - drafting, draft_times)
+                           inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic)
         self._finish()
         return events
 
@@ -240,12 +236,9 @@ class Decoder:
         odds = host.read(odds) if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
         for (b, _), p in zip(hits, odds):
             self.policy.observe(self.rows[b].key, p)
-        drafters = {id(r.drafter.lineage): (0.0, 0) for r in self.rows if r.drafter is not None}
         # What drafting must beat is plain decoding going on: a round queued that queues the next.
-        if drafters and queued and self.queued is not None:
-            end = time.perf_counter()
-            self.policy.record([r.key for r in self.rows], [0] * len(self.rows), [0] * len(self.rows), 1,
-                               len(tokens), end - tic, end - tic, drafters)
+        if any(drafters) and queued and self.queued is not None:
+            self.policy.record(keys, [0] * len(keys), [0] * len(keys), 1, len(tokens), time.perf_counter() - tic)
         self._finish()
         return events
 

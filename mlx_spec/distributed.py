@@ -233,15 +233,13 @@ def parted() -> None:
     _end(PARTED)
 
 
-def rank0_times(seconds: float, verify_time: float, draft_times: dict) -> tuple[float, float, dict]:
-    """A round's measured times as rank 0 measured them, on every rank (so that every rank's policy
-    chooses the same K); as they are without --shard."""
+def rank0_times(seconds: float) -> float:
+    """A round's time as rank 0 measured it, on every rank (so that every rank's policy chooses the
+    same K); as it is without --shard."""
     if _RUN is None:
-        return seconds, verify_time, draft_times
-    mine = mx.array([seconds, verify_time, *(t for t, _ in draft_times.values())], dtype=mx.float32)
+        return seconds
     _beat()
-    agreed = _from_rank0(mine).tolist()
-    return agreed[0], agreed[1], {d: (t, steps) for (d, (_, steps)), t in zip(draft_times.items(), agreed[2:])}
+    return _from_rank0(mx.array([seconds], dtype=mx.float32)).item()
 
 
 def describe() -> dict | None:
@@ -257,7 +255,7 @@ def round_costs(model, metrics, drafter) -> dict:
     S = max(1, round(1 + metrics.drafted / steps))
     comm = _forward_comm(model, S, len(drafter.capture) if drafter is not None else 0)
     if drafter is not None:
-        comm += _timed(lambda: _from_rank0(mx.zeros((3,))))
+        comm += _timed(lambda: _from_rank0(mx.zeros((1,))))
     round_s = (metrics.draft_time + metrics.verify_time) / steps
     return {"verified_tokens": S, "comm_ms_per_round": 1e3 * comm, "round_ms": 1e3 * round_s,
             "comm_share": comm / round_s if round_s else 0.0}

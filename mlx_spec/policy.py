@@ -2,27 +2,34 @@
 
 With per-token acceptance alpha, a round of K drafts yields
 E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (Leviathan et al.); each
-row's acceptance is kept per draft position, and its E is the same sum with a
-rate per position. It
-costs the drafting (a forward per step for a costly drafter, shared by all the
-rows it drafts for) and one verification of B rows of K + 1 tokens. The
-seed's formula takes the verification as flat in K (memory-bound decoding); on
-a CPU, or for a small target, it is not, so the recent times are kept per
-batch size and verified length (as ratios to the plain round's at the time: a
-machine's speed drifts), with a line through the measured lengths for the
-others. The K with the least time per token wins; K = 0 is plain decoding.
+row's acceptance is kept per draft position, weighed against its drafter's
+pooled rates (what its rows found over many rounds), and its E is the same sum
+with a rate per position. A round's cost is measured whole (drafting, the
+verification of B rows of K + 1 tokens, the host's work) per batch size and K,
+as ratios to the plain round's at the time (a machine's speed drifts), with a
+line through the measured K for the others. The seed's formula takes the
+verification as flat in K and drafting as K times a step; on a CPU, or for a
+small target, neither holds (a drafter has a cost per round besides its cost
+per token; a verification cannot overlap the host's work as queued plain rounds
+do), so nothing is assumed of the line but a small slope until two K are
+measured. A round that drafts right after plain ones is a switch (the drafter
+catches up on what it missed, the target's weights were pushed out of the
+caches): not what drafting goes on costing, so not learned from. The K with the
+least time per token wins; K = 0 is plain decoding.
 
-One row starts optimistic (K at its most) and follows the model, probing again
-after a few plain rounds (further apart while the probes lose). A drafter that
-guesses on the host (prompt lookup, suffix decoding) needs no probe: each plain
-round tells the odds that its guess would have been accepted (`observe`). A
-batch is where the model is least reliable (padding, rows whose drafter finds
-nothing, a forward that turns
-compute-bound), so there the measured throughput of whole rounds decides
-whether to draft at all: it first times plain rounds and one-token drafts;
-while drafting, a short run of plain rounds now and then keeps the comparison
-fresh; while plain, a short run of drafting rounds now and then (further
-apart each time it loses) looks again.
+One row starts optimistic (K at its most) and follows the model. After a few
+plain rounds it looks again: what it knew has faded toward its drafter's pool,
+so the model may draft again; else it probes (further apart while the probes
+lose), and an accepted probe drafts one more round, the one that is measured. A
+drafter that guesses on the host (prompt lookup, suffix decoding) needs no probe:
+each plain round tells the odds that its guess would have been accepted
+(`observe`). A batch is where the model is least reliable (padding, rows whose
+drafter finds nothing, a forward that turns compute-bound), so there the
+measured throughput of whole rounds decides whether to draft at all: it first
+times plain rounds and one-token drafts; while drafting (the model says how
+far), a short run of plain rounds now and then keeps the comparison fresh; while
+plain, a short run of drafting rounds now and then (further apart each time it
+loses) looks again.
 """
 
 from __future__ import annotations
@@ -44,13 +51,10 @@ def expected_tokens(alpha: float, k: float) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def ema(old: float | None, new: float, decay: float) -> float:
-    """A running mean that keeps `decay` of the past."""
-    return new if old is None else decay * old + (1 - decay) * new
-
-
 DECAY = 0.8  # weight of the past in the running estimates
-RECENT = 8  # verification times kept per length (their median is the estimate: spikes are common)
+# The same in a drafter's pool: what its rows found over many rounds, what each row is weighed against.
+POOL_DECAY = 0.97
+RECENT = 8  # round times kept per K (their median is the estimate: spikes are common)
 
 
 @dataclass
@@ -60,47 +64,58 @@ class Acceptance:
 
     accepted: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
-    PRIOR = 0.8  # alpha where a position has not been reached yet
+    PRIOR = 0.8  # alpha where nothing is known of a position (nor of its drafter's)
     PRIOR_WEIGHT = 0.25  # in rounds: weak, so that a drafter that never hits is soon known to
 
-    def rates(self, k: int) -> list[float]:
-        """The rates of positions 0..k-1. What is known of one is weighed against the rate before it
+    def rates(self, k: int, prior: list[float] | None = None) -> list[float]:
+        """The rates of positions 0..k-1. What is known of one is weighed against `prior` (its drafter's
+        pooled rates, as much as one round of its own; past the first, the rate before it where that is
+        higher: what the pool knows of a far position may be long stale), else against the rate before it
         (the first against `PRIOR`): a position seldom reached, or long ago, is taken as the one before."""
-        out, prior = [], self.PRIOR
+        out, before = [], self.PRIOR
         for i in range(k):
+            p, weight = ((max(prior[i], before) if i else prior[i]), 1.0) if prior and i < len(prior) else \
+                (before, self.PRIOR_WEIGHT)
             if i < len(self.reached):
-                prior = (self.accepted[i] + prior * self.PRIOR_WEIGHT) / (self.reached[i] + self.PRIOR_WEIGHT)
-            out.append(prior)
+                p = (self.accepted[i] + p * weight) / (self.reached[i] + weight)
+            out.append(p)
+            before = p
         return out
 
-    def tokens(self, k_max: int) -> list[float]:
+    def tokens(self, k_max: int, prior: list[float] | None = None) -> list[float]:
         """Expected tokens of a round of k drafts, for k = 0..k_max: 1 + a_0 + a_0 a_1 + ..."""
         out, reach = [1.0], 1.0
-        for rate in self.rates(k_max):
+        for rate in self.rates(k_max, prior):
             reach *= rate
             out.append(out[-1] + reach)
         return out
 
+    def fade(self, decay: float) -> None:
+        """What is known weighs `decay` as much: a round passed (drafting or not)."""
+        self.accepted = [a * decay for a in self.accepted]
+        self.reached = [r * decay for r in self.reached]
+
     def update(self, k: int, n: float, decay: float = DECAY) -> None:
         """A round of k drafts accepted n of them; n may be a fraction below 1 for k = 1 (a plain
         round's odds that a draft's first token would have been accepted: see `Policy.observe`)."""
-        # Position i is reached when the drafts before it were all accepted.
+        # Position i is reached when the drafts before it were all accepted. What is known of the positions
+        # past k fades too: a row held to short drafts by a bad patch finds the longer ones again.
         while len(self.reached) < k:
             self.accepted.append(0.0)
             self.reached.append(0.0)
-        for i in range(k):
-            self.accepted[i] *= decay
-            self.reached[i] *= decay
-            if i <= n:
-                self.reached[i] += 1
-                self.accepted[i] += min(n - i, 1.0)
+        self.fade(decay)
+        for i in range(min(k, int(n) + 1)):
+            self.reached[i] += 1
+            self.accepted[i] += min(n - i, 1.0)
 
 
 @dataclass
 class Measured:
     """What the policy has measured at one batch size, and where a batch stands."""
 
-    times: dict[int, deque] = field(default_factory=dict)  # K + 1 -> recent seconds of a verification
+    SLOPE = 0.1  # what a drafted token adds to a round, in plain steps, until two K are measured (soon known)
+
+    times: dict[int, deque] = field(default_factory=dict)  # K + 1 -> recent seconds of a whole round
     # K + 1 > 1 -> the same, over the plain round's median then: this machine's speed drifts by more
     # than the differences weighed, and drafting rounds, rarer than plain ones, would be weighed stale.
     ratios: dict[int, deque] = field(default_factory=dict)
@@ -110,14 +125,22 @@ class Measured:
     mode: str = "explore"  # a batch: explore, drafting or plain
     run: int = 0  # rounds left of a run of the other kind (plain while drafting, drafting while plain)
     since: int = 0  # rounds since the last such run
-    every: int = 0  # while plain: rounds between two drafting runs (one row: probes)
+    every: int = 0  # rounds between two runs of the other kind (one row: between probes)
     plain_rounds: int = 0  # one row: plain rounds since the last probe
     best: tuple | None = None  # (rows, drafters) -> K: the model's choice since the last record
-    probe: bool | None = None  # one row: whether the next round probes, as the round before found
+    look: tuple | None = None  # one row: (K, probe?) of the round that looks again, as the round before found
+    probing: bool = False  # one row: the round now recorded is a probe
+    kept: bool = False  # one row: the last probe was accepted, so the next round drafts too (and is measured)
+    # Whether a costly drafter's last round was plain: a drafting round after plain ones is a switch (the
+    # drafter catches up on what it missed and pushes the target's weights out of the caches, the queue of
+    # plain rounds is broken), not what drafting goes on costing: its times are not learned from.
+    cold: bool = True
     medians: dict | None = None  # S -> the median of `times[S]`, since the last record
 
     def verify_time(self, S: int) -> float:
-        """Measured, or from a line through the measured lengths (flat with one)."""
+        """Measured, or from a line through the measured rounds that drafted (not through a plain round:
+        queued, it overlaps the host's work with the device's, and a drafting round cannot); through one,
+        or from a plain round, a token costs `SLOPE` plain steps."""
         if self.medians is None:  # once a round: the model asks for every K
             plain = statistics.median(self.times[1]) if self.times.get(1) else None
             self.medians = {s: statistics.median(self.ratios[s]) * plain if plain and s in self.ratios else
@@ -125,12 +148,15 @@ class Measured:
         medians = self.medians
         if S in medians:
             return medians[S]
-        ss, ts = list(medians), list(medians.values())
-        if len(ss) == 1:
-            return ts[0]
+        plain = medians[1]  # (the model is asked once plain rounds are measured)
+        drafts = {s: t for s, t in medians.items() if s > 1}
+        if len(drafts) < 2:
+            s0, t0 = next(iter(drafts.items()), (1, plain))
+            return max(t0 + self.SLOPE * plain * (S - s0), plain)
+        ss, ts = list(drafts), list(drafts.values())
         ms, mt = sum(ss) / len(ss), sum(ts) / len(ts)
         slope = sum((a - ms) * (b - mt) for a, b in zip(ss, ts)) / sum((a - ms) ** 2 for a in ss)
-        return max(mt + max(slope, 0.0) * (S - ms), min(ts))
+        return max(mt + max(slope, 0.0) * (S - ms), plain)
 
     def samples(self, S: int) -> int:
         return len(self.times.get(S, ()))
@@ -140,13 +166,13 @@ class Measured:
 
 
 class Policy:
-    """K per row each round, from the rows' acceptance, each drafter's measured
-    cost and the measured verification times at this batch size."""
+    """K per row each round, from the rows' acceptance and the measured times of
+    whole rounds at this batch size."""
 
     PROBE_EVERY, PROBE_EVERY_LAST = 4, 64  # one row: plain rounds between two probes, doubling
     PROBE_K = 2
     RUN = 3  # a batch: rounds in a run of the other kind
-    MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs
+    MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs, at most
     # A batch, plain: rounds between two drafting runs, doubling. A drafter that reads the target's
     # features catches up on every token it missed when it next drafts: with many rows that costs.
     PROBE_FIRST, PROBE_LAST = 256, 4096
@@ -156,18 +182,19 @@ class Policy:
     # verification times that mix two costs: its model must promise this much before it drafts.
     GUESSING_MARGIN = 1.15
     RATE_DECAY = 0.95  # per round, of the running sums of tokens and seconds
+    # Per plain round, of what a row knows of its drafts (a drafter that guesses learns in plain rounds):
+    # after a bad patch, its drafter's pooled rates come back to the fore, and it drafts again.
+    FADE = 0.9
 
     def __init__(self, k_max: int, fixed: int | None = None):
         self.k_max, self.fixed = (fixed or k_max), fixed
         self.by_size: dict[int, Measured] = {}
         self.acceptance: dict[object, Acceptance] = {}  # row key -> its drafts' acceptance
-        # Per drafter, by the id of its `lineage` (its sessions share what is learned of it):
-        # its rows' acceptance pooled, where a new row starts (a drafter that rarely hits at this
-        # temperature starts its next sequence knowing it), and its seconds per drafting step.
+        # Per drafter, by the id of its `lineage` (its sessions share what is learned of it): its rows'
+        # acceptance pooled over many rounds, what a row's own is weighed against (a drafter that rarely
+        # hits at this temperature starts its next sequence knowing it).
         self.pooled: dict[int, Acceptance] = {}
         self.owner: dict[object, int] = {}  # row key -> id(its drafter's lineage)
-        self.draft_cost: dict[int, float] = {}
-        self.catching_up: set[int] = set()  # drafters whose next round first reads the tokens they missed
 
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int, fixed: int | None = None) -> Policy:
@@ -199,30 +226,44 @@ class Policy:
     def _acceptance(self, key, drafter) -> Acceptance:
         if key not in self.acceptance:
             self.owner[key] = id(drafter.lineage)
-            pooled = self.pooled.get(id(drafter.lineage))
-            self.acceptance[key] = Acceptance(list(pooled.accepted), list(pooled.reached)) if pooled else Acceptance()
+            self.acceptance[key] = Acceptance()
         return self.acceptance[key]
+
+    def _tokens(self, key, drafter) -> list[float]:
+        """A row's expected tokens for each K, from its own drafts against its drafter's pool."""
+        pooled = self.pooled.get(id(drafter.lineage))
+        return self._acceptance(key, drafter).tokens(self.k_max, pooled.rates(self.k_max) if pooled else None)
 
     def observe(self, key, odds: float) -> None:
         """A plain round's news of a row whose drafter guessed a token (`Drafter.guess`): a draft
         starting with it would have been accepted with probability `odds`. Its acceptance follows the
         text without a probe, and the model may start drafting again when the text turns repetitive.
         (A row with nothing to draft decodes plainly, whatever its K: it has nothing to learn.)"""
-        for acceptance in (self.acceptance.get(key), self.pooled.get(self.owner.get(key))):
+        for acceptance, decay in ((self.acceptance.get(key), self.OBSERVED_DECAY),
+                                  (self.pooled.get(self.owner.get(key)), POOL_DECAY)):
             if acceptance is not None:  # one a round: their mean decides, not a lucky run of a few
-                acceptance.update(1, odds, self.OBSERVED_DECAY)
+                acceptance.update(1, odds, decay)
         for m in self.by_size.values():
             m.best = None  # the model's answer may change
 
-    def choose(self, keys: list, drafters: list, rooms: list[int]) -> list[int]:
-        """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not)."""
+    def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
+        """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`:
+        its drafter has nothing to draft this round, so it decodes plainly whatever its K)."""
         for key, d in zip(keys, drafters):
             if d is not None:
                 self._acceptance(key, d)  # a row's drafts count in its drafter's pool from its first round
         if self.fixed is not None or all(d is None for d in drafters):
-            return [min(self.k_max, room) if d is not None else 0 for d, room in zip(drafters, rooms)]
-        k = self._one(keys, drafters) if len(keys) == 1 else self._batch(keys, drafters)
-        return [min(k, room) if d is not None else 0 for d, room in zip(drafters, rooms)]
+            k = self.k_max
+        else:
+            k = self._one(keys, drafters) if len(keys) == 1 else self._batch(keys, drafters)
+        ks = [min(k, room) if d is not None and not (empty and empty[b]) else 0
+              for b, (d, room) in enumerate(zip(drafters, rooms))]
+        if not any(ks) and any(d is not None and d.costly for d in drafters):
+            self.measured(len(keys)).cold = True
+        for key, d, row_k in zip(keys, drafters, ks):  # a row that drafts nothing learns nothing: what it knew fades
+            if d is not None and not row_k and not d.guesses:
+                self.acceptance[key].fade(self.FADE)
+        return ks
 
     def plain_next(self, keys: list, drafters: list) -> bool:
         """Whether the next round will decode plainly, as far as is known now (so
@@ -235,12 +276,12 @@ class Policy:
         if len(keys) == 1:
             if m.times and m.samples(1) < 2:
                 return True  # plain rounds, queued, measure what plain decoding costs
-            if not m.times or not (m.plain_rounds > 0 or self._one_best(m, keys, drafters) == 0):
+            if not m.times or not (m.plain_rounds > 0 or self._best(m, keys, drafters) == 0):
                 return False
             if m.plain_rounds + 1 < (m.every or self.PROBE_EVERY):
                 return True
-            m.probe = self._probes(m, keys, drafters)  # the next round would ask the same: it is kept
-            return not m.probe
+            m.look = self._look(m, keys, drafters)  # the next round would ask the same: it is kept
+            return not m.look[0]
         if m.mode == "explore":
             return m.samples(1) < 2
         if m.mode == "plain":
@@ -248,14 +289,12 @@ class Policy:
         return m.mode == "drafting" and m.run > 1
 
     def _times_per_token(self, m: Measured, keys: list, drafters: list) -> list[float]:
-        """Seconds a token for each K = 0..k_max: drafting and verification over the rows' expected tokens."""
-        rows = [self._acceptance(key, d).tokens(self.k_max) for key, d in zip(keys, drafters) if d is not None]
-        costly = [d for d in {id(d.lineage): d for d in drafters if d}.values() if d.costly]
+        """Seconds a token for each K = 0..k_max: a round's time over the rows' expected tokens."""
+        rows = [self._tokens(key, d) for key, d in zip(keys, drafters) if d is not None]
         times = []
         for k in range(self.k_max + 1):
             tokens = len(keys) - len(rows) + sum(r[k] for r in rows)
-            drafting = sum((k if d.cost_per_token else min(k, 1)) * self.draft_cost.get(id(d.lineage), 0.0) for d in costly)
-            times.append((drafting + m.verify_time(k + 1)) / tokens)
+            times.append(m.verify_time(k + 1) / tokens)
         return times
 
     def _best(self, m: Measured, keys: list, drafters: list) -> int:
@@ -271,41 +310,37 @@ class Policy:
         m.best = ((list(keys), [id(d) for d in drafters]), best)
         return best
 
-    def _one_best(self, m: Measured, keys: list, drafters: list) -> int:
-        """One row's K by the model, unless whole drafting rounds (host work and all) have measured
-        slower than plain ones: then plain, but for the probes."""
-        best = self._best(m, keys, drafters)
-        if best and m.seconds[True] and m.seconds[False] and m.rate(True) * self.MARGIN < m.rate(False):
-            return 0
-        return best
-
     def _one(self, keys: list, drafters: list) -> int:
-        """One row: the model decides; after a few plain rounds, a probe."""
+        """One row: the model decides while drafting; after a few plain rounds it looks again."""
         m = self.measured(1)
         if not m.times:
             return self.k_max  # start optimistic: the measured costs soon say
         if m.samples(1) < 2:  # and measure a plain round's cost: without it, every K looks as cheap
             return 0
-        # Plain until the next probe: of what the model reads, only the costs change without drafts.
-        best = 0 if m.plain_rounds else self._one_best(m, keys, drafters)
-        if best:
-            m.every = 0
-            return best
+        if not m.plain_rounds:
+            best = self._best(m, keys, drafters)
+            if m.kept:  # a probe's round is a switch, never measured: an accepted one goes on a round
+                best, m.kept = max(best, min(self.PROBE_K, self.k_max)), False
+            if best:
+                m.every = 0
+                return best
         m.plain_rounds += 1
-        if m.plain_rounds >= (m.every or self.PROBE_EVERY):  # in case acceptance or costs changed
-            m.plain_rounds = 0
-            probe, m.probe = (m.probe if m.probe is not None else self._probes(m, keys, drafters)), None
-            if not probe:
-                m.plain_rounds = 1  # the model was just asked
-                return 0
+        if m.plain_rounds < (m.every or self.PROBE_EVERY):
+            return 0
+        (k, m.probing), m.look = (m.look or self._look(m, keys, drafters)), None
+        if m.probing:  # further apart while they lose
             m.every = min(2 * (m.every or self.PROBE_EVERY), self.PROBE_EVERY_LAST)
-            return min(self.PROBE_K, self.k_max)
-        return 0
+        m.plain_rounds = 0 if k else 1  # (the model was just asked)
+        return k
 
-    def _probes(self, m: Measured, keys: list, drafters: list) -> bool:
-        """Whether a probe is worth its round: not while the drafter's guesses, which plain rounds
-        weigh at no cost, keep the model saying plain."""
-        return not drafters[0].guesses or self._best(m, keys, drafters) > 0
+    def _look(self, m: Measured, keys: list, drafters: list) -> tuple[int, bool]:
+        """After plain rounds, the next round's K and whether it probes: the model's K, as what the row
+        knew fades toward its drafter's pool; else a probe, unless the drafter guesses (plain rounds weigh
+        its guesses at no cost)."""
+        best = self._best(m, keys, drafters)
+        if best or drafters[0].guesses:
+            return best, False
+        return min(self.PROBE_K, self.k_max), True
 
     def _batch(self, keys: list, drafters: list) -> int:
         """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""
@@ -315,21 +350,16 @@ class Policy:
                 return 0
             if m.samples(2) < 2:
                 return min(1, self.k_max)
-            m.mode = "drafting" if self._best(m, keys, drafters) else "plain"
-            m.every = self.PROBE_FIRST
+            m.mode, m.every = ("drafting", self.RUN) if self._best(m, keys, drafters) else ("plain", self.PROBE_FIRST)
         m.since += 1
         if m.run:  # a run of the other kind goes on
             m.run -= 1
             if m.run:
                 return 0 if m.mode == "drafting" else max(self._best(m, keys, drafters), 1)
             self._settle(m)  # the run is over: compare
-        if m.mode == "drafting":
-            best = self._best(m, keys, drafters)
-            if not best:  # the model says plain
-                m.mode, m.every, m.since = "plain", self.PROBE_FIRST, 0
-                return 0
-            if m.since < self.MEASURE_EVERY:
-                return best
+        if m.mode == "drafting":  # until plain rounds measure faster: the model only says how far
+            if m.since < m.every:
+                return max(self._best(m, keys, drafters), 1)
             m.run, m.since = self.RUN, 0  # time plain rounds again
             return 0
         if m.since >= m.every:
@@ -340,50 +370,47 @@ class Policy:
     def _settle(self, m: Measured) -> None:
         """After a run of the other kind: switch where it gave clearly more tokens a second."""
         drafting, plain = m.rate(True), m.rate(False)
-        if m.mode == "drafting" and drafting * self.MARGIN < plain:
-            m.mode, m.every = "plain", self.PROBE_FIRST
+        if m.mode == "drafting":
+            m.mode, m.every = ("plain", self.PROBE_FIRST) if drafting * self.MARGIN < plain else \
+                ("drafting", min(2 * m.every, self.MEASURE_EVERY))  # (soon after it started, then less often)
         elif m.mode == "plain":
             if drafting > plain * self.MARGIN:
-                m.mode = "drafting"
+                m.mode, m.every = "drafting", self.RUN
             else:
                 m.every = min(2 * m.every, self.PROBE_LAST)
 
-    def record(self, keys: list, ks: list[int], accepted: list[int], S: int, tokens: int, seconds: float,
-               verify_time: float, draft_times: dict[int, tuple[float, int]]) -> None:
+    def record(self, keys: list, ks: list[int], accepted: list[int], S: int, tokens: int, seconds: float) -> None:
         """A round's outcome: each row's K as chosen (a tree: its depth) and accepted drafts,
-        S tokens a row verified (a tree's nodes) in `verify_time`, `tokens`
-        produced in `seconds`; per drafter (by id), its drafting time and steps.
-        A verification's cost is kept by the K it was chosen for: a tree of that
-        depth costs what its width costs. A draft shorter than its K (a prompt
-        lookup that found nothing to copy) counts as the attempt it was: its
-        yield and its round's cost are what choosing that K gives."""
-        seconds, verify_time, draft_times = distributed.rank0_times(seconds, verify_time, draft_times)  # K alike
+        S tokens a row verified (a tree's nodes), `tokens` produced in `seconds`
+        (drafting, verification and the host's work). A round's cost is kept by
+        the K it was chosen for: a tree of that depth costs what its width costs.
+        A draft shorter than its K (a prompt lookup that found nothing to copy)
+        counts as the attempt it was: its yield and its round's cost are what
+        choosing that K gives."""
+        seconds = distributed.rank0_times(seconds)  # K alike on every rank
         m = self.measured(len(keys))
         m.best = m.medians = None
         first = S not in m.seen  # a shape's first round also compiles: not a cost to learn from
         m.seen.add(S)
         drafting = any(ks)
-        if not first:
+        if len(keys) == 1:
+            m.kept, m.probing = m.probing and accepted[0] > 0, False
+        switch = drafting and m.cold
+        m.cold = m.cold and not drafting
+        if not (first or switch):
             chosen = max(ks) + 1
             if drafting and m.times.get(1):
-                ratio = verify_time / statistics.median(m.times[1])
+                ratio = seconds / statistics.median(m.times[1])
                 m.ratios.setdefault(chosen, deque(maxlen=RECENT)).append(ratio)
-            m.times.setdefault(chosen, deque(maxlen=RECENT)).append(verify_time)
+            m.times.setdefault(chosen, deque(maxlen=RECENT)).append(seconds)
             d = self.RATE_DECAY
             m.tokens[drafting] = d * m.tokens[drafting] + tokens
             m.seconds[drafting] = d * m.seconds[drafting] + seconds
-        for drafter, (t, steps) in draft_times.items():
-            if steps == 0:
-                self.catching_up.add(drafter)  # after plain rounds, a drafter first reads what it missed
-            elif first or drafter in self.catching_up:
-                self.catching_up.discard(drafter)
-            else:  # per drafted token (a drafter whose cost is flat in K counts one)
-                self.draft_cost[drafter] = ema(self.draft_cost.get(drafter), t / steps, DECAY)
         for key, k, n in zip(keys, ks, accepted):
             if k:
                 self.acceptance.setdefault(key, Acceptance()).update(k, n)
                 if key in self.owner:  # (`choose` names every row's drafter before its first round)
-                    self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n)
+                    self.pooled.setdefault(self.owner[key], Acceptance()).update(k, n, POOL_DECAY)
 
 
 _REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lineage -> {settings: Policy}

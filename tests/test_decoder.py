@@ -69,7 +69,7 @@ def policy_rounds(accepted_per_draft: float, rounds: int = 300) -> list[int]:
         k = policy.choose(keys, drafters, [10**6] * 8)[0]
         tokens = len(keys) * (1 + accepted_per_draft * k)
         seconds = 0.01 * (1 + 0.1 * k)
-        policy.record(keys, [k] * 8, [k] * 8, k + 1, tokens, seconds, seconds, {id(drafters[0]): (0.0, k)})
+        policy.record(keys, [k] * 8, [k] * 8, k + 1, tokens, seconds)
         chosen.append(k)
     return chosen[rounds // 3 :]
 
@@ -198,7 +198,7 @@ def test_plain_rounds_tell_the_policy_the_odds_of_each_guess(monkeypatch, target
 
     seen = []
     monkeypatch.setattr(Policy, "observe", lambda self, key, odds: seen.append((key, odds)))
-    monkeypatch.setattr(Policy, "choose", lambda self, keys, drafters, rooms: [0] * len(keys))
+    monkeypatch.setattr(Policy, "choose", lambda self, keys, drafters, rooms, empty=None: [0] * len(keys))
     drafter = PromptLookup(1, 3)
     params = {0: SamplingParams(temp=temp), 1: SamplingParams(temp=1.0 - temp)}
     decoder = Decoder(target)

@@ -276,12 +276,11 @@ def one_row_policy(k_drafted, accepted, draft_time, verify_time, rounds=30):
     drafter = PromptLookup()
     drafter.costly, drafter.guesses = True, False  # a stand-in for a draft model
     for _ in range(3):  # plain rounds, as a decoder measures them (the first of a shape is not counted)
-        policy.record([0], [0], [0], 1, 1, verify_time(1), verify_time(1), {id(drafter): (0.0, 0)})
+        policy.record([0], [0], [0], 1, 1, verify_time(1))
     for i in range(rounds):
         k = k_drafted[i % len(k_drafted)] if isinstance(k_drafted, list) else k_drafted
         n = accepted(k) if callable(accepted) else accepted
-        policy.record([0], [k], [n], k + 1, n + 1, draft_time * k + verify_time(k), verify_time(k),
-                      {id(drafter): (draft_time * k, k)})
+        policy.record([0], [k], [n], k + 1, n + 1, draft_time * k + verify_time(k))
     return policy, drafter
 
 

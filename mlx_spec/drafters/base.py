@@ -118,10 +118,8 @@ class Drafter(ABC):
     `commit` keeps a row's state in step with what the target accepted."""
 
     kind = "drafter"  # its --drafter kind
-    # True when drafting costs model forwards (so the loop weighs its cost).
+    # True when drafting runs a model forward: after plain rounds it first reads what it missed.
     costly = False
-    # False when a round's drafting costs the same whatever K (a whole block in one forward).
-    cost_per_token = True
     # The target's hidden states this drafter reads (indices as the target's
     # `capture`); the verification returns them to `commit`.
     capture: tuple[int, ...] = ()

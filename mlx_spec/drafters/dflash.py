@@ -192,7 +192,6 @@ class DFlash(RowStates):
 
     kind = "dflash"
     costly = True
-    cost_per_token = False  # the block is drafted in one forward, however much of it a round uses
 
     def __init__(self, net: DFlashNet, target: Model, budget: int | None = None, block_size: int | None = None):
         super().__init__()

@@ -1,0 +1,94 @@
+"""The decoding policy on its own, fed rounds as a decoder would feed them: what it learns from a round,
+and when a row drafts again."""
+
+from mlx_spec.drafters.draft_model import DraftModel
+from mlx_spec.drafters.lookup import PromptLookup
+from mlx_spec.policy import Acceptance, Policy
+
+
+def draft_model() -> DraftModel:
+    """A drafter that runs a model (costly, no guesses): nothing of it is used but its kind."""
+    return DraftModel.__new__(DraftModel)
+
+
+def simulate(policy: Policy, drafter, rounds: int, accepted, seconds, key=0, rates: list | None = None) -> list[int]:
+    """`rounds` rounds of one row; `accepted(k)` drafts of k are kept, a round of k costs `seconds(k, before)`
+    (`before`: the K of the round before). Returns the K chosen each round; `rates` gets each round's
+    tokens a second."""
+    chosen, before = [], 0
+    for _ in range(rounds):
+        k = policy.choose([key], [drafter], [100])[0]
+        n = accepted(k) if k else 0
+        policy.record([key], [k], [n], k + 1, n + 1, seconds(k, before))
+        chosen.append(k)
+        if rates is not None:
+            rates.append((n + 1) / seconds(k, before))
+        before = k
+    return chosen
+
+
+def test_the_round_that_switches_to_drafting_is_not_what_drafting_costs():
+    # A drafter that first catches up after plain rounds: that round costs 6 plain steps, the next ones
+    # 1 + 0.1 K. Text it drafts badly, then text where two drafts a round are kept (K = 2 is best: 3 tokens
+    # in 1.2). Learning from the switches (every probe is one), short drafts would look as dear as 6 steps.
+    def seconds(k, before):
+        return 1.0 if not k else 6.0 if not before else 1.0 + 0.1 * k
+
+    policy, d = Policy(8), draft_model()
+    assert max(simulate(policy, d, 40, lambda k: 0, seconds)[-20:]) <= Policy.PROBE_K  # plain, but for probes
+    rates = []
+    simulate(policy, d, 100, lambda k: min(k, 2), seconds, rates=rates)
+    assert sum(rates[-50:]) / 50 > 0.9 * 3 / 1.2
+
+
+def test_a_row_drafts_again_once_a_bad_patch_fades():
+    # The drafter's rows draft well (its pool); this row then meets text it drafts badly, and every probe
+    # fails too. What the row knew fades toward its drafter's pool in plain rounds: the model itself, not
+    # only a probe, tries again (without the fading, only probes ever would).
+    def seconds(k, before):
+        return 1.0 + 0.3 * k
+
+    policy, d = Policy(8), draft_model()
+    simulate(policy, d, 60, lambda k: k, seconds, key="others")
+    policy.forget("others")
+    bad = simulate(policy, d, 8, lambda k: 0, seconds)
+    assert bad[-1] == 0
+    later = simulate(policy, d, 64, lambda k: 0 if k <= Policy.PROBE_K else 1, seconds)
+    assert max(later) > Policy.PROBE_K
+
+
+def test_a_row_that_keeps_its_whole_drafts_drafts_longer():
+    # The pool learned that position 1 fails (another row's text); this row keeps everything it drafts.
+    # What the pool knows of a far position may be long stale: the row's own rate before it counts.
+    policy, d = Policy(8), draft_model()
+    simulate(policy, d, 30, lambda k: min(k, 1), lambda k, before: 1.0 + 0.1 * k, key="others")
+    policy.forget("others")
+    chosen = simulate(policy, d, 6, lambda k: k, lambda k, before: 1.0 + 0.1 * k)
+    assert max(chosen) > 2
+
+
+def test_what_is_known_of_far_positions_fades_while_shorter_drafts_are_kept():
+    row = Acceptance()
+    for _ in range(6):
+        row.update(4, 1)  # position 1 fails
+    assert row.rates(2)[1] < 0.2
+    for _ in range(20):
+        row.update(1, 1)  # only position 0 is drafted now, and always kept
+    assert row.rates(2)[1] > 0.8
+
+
+def test_a_verification_cost_is_guessed_from_the_nearest_measured():
+    policy, d = Policy(8), PromptLookup()
+    for _ in range(3):
+        policy.record([0], [0], [0], 1, 1, 1.0)
+    m = policy.measured(1)
+    assert m.verify_time(5) == 1.0 + 4 * m.SLOPE  # from plain rounds alone: SLOPE plain steps a token
+    for _ in range(3):
+        policy.record([0], [4], [4], 5, 5, 3.0)
+    m = policy.measured(1)
+    assert abs(m.verify_time(9) - (3.0 + 4 * m.SLOPE)) < 1e-9  # one drafting length measured
+    assert m.verify_time(2) >= 1.0  # never below a plain round
+    for _ in range(3):
+        policy.record([0], [8], [8], 9, 9, 5.0)
+    m = policy.measured(1)
+    assert abs(m.verify_time(7) - 4.0) < 1e-9  # two: the line through them (not through the plain round)
