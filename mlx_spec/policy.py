@@ -34,6 +34,7 @@ loses) looks again.
 
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from collections import deque
@@ -114,6 +115,7 @@ class Measured:
     """What the policy has measured at one batch size, and where a batch stands."""
 
     SLOPE = 0.1  # what a drafted token adds to a round, in plain steps, until two K are measured (soon known)
+    RUN_FIRST = 3  # a batch, drafting: rounds before its first run of plain ones (then further apart)
 
     times: dict[int, deque] = field(default_factory=dict)  # K + 1 -> recent seconds of a whole round
     # K + 1 > 1 -> the same, over the plain round's median then: this machine's speed drifts by more
@@ -142,9 +144,9 @@ class Measured:
         queued, it overlaps the host's work with the device's, and a drafting round cannot); through one,
         or from a plain round, a token costs `SLOPE` plain steps."""
         if self.medians is None:  # once a round: the model asks for every K
-            plain = statistics.median(self.times[1]) if self.times.get(1) else None
-            self.medians = {s: statistics.median(self.ratios[s]) * plain if plain and s in self.ratios else
-                            statistics.median(t) for s, t in self.times.items()}
+            self.medians = {s: statistics.median(t) for s, t in self.times.items()}
+            if 1 in self.medians:
+                self.medians.update({s: statistics.median(r) * self.medians[1] for s, r in self.ratios.items()})
         medians = self.medians
         if S in medians:
             return medians[S]
@@ -160,6 +162,12 @@ class Measured:
 
     def samples(self, S: int) -> int:
         return len(self.times.get(S, ()))
+
+    def like(self) -> Measured:
+        """What another batch size starts from: this one's costs of K over a plain round, and whether drafting
+        paid (its own rounds soon replace them; its plain rounds are measured first)."""
+        return Measured(ratios={s: deque(r, maxlen=RECENT) for s, r in self.ratios.items()},
+                        mode=self.mode, every=self.every if self.mode == "plain" else self.RUN_FIRST)
 
     def rate(self, drafting: bool) -> float:
         return self.tokens[drafting] / self.seconds[drafting] if self.seconds[drafting] else 0.0
@@ -177,6 +185,9 @@ class Policy:
     # features catches up on every token it missed when it next drafts: with many rows that costs.
     PROBE_FIRST, PROBE_LAST = 256, 4096
     MARGIN = 1.03  # a batch changes mode only for at least this much more throughput
+    # and starts drafting again only for this much (near break-even, this machine's noise would switch it
+    # back and forth: each switch costs a drafter's catching up)
+    RETURN_MARGIN = 1.1
     OBSERVED_DECAY = 0.95  # weight of the past in a row's acceptance, for the odds plain rounds tell
     # A drafter that often finds nothing to draft (its rounds then verify one token, whatever K) has
     # verification times that mix two costs: its model must promise this much before it drafts.
@@ -215,8 +226,9 @@ class Policy:
 
     def measured(self, B: int) -> Measured:
         m = self.by_size.get(B)  # asked several times a round: no `Measured` built to be dropped
-        if m is None:
-            m = self.by_size[B] = Measured()
+        if m is None:  # rows joined or left: a batch size met first starts from the nearest one measured
+            near = min(self.by_size, key=lambda b: abs(math.log(b / B)), default=None)
+            m = self.by_size[B] = Measured() if near is None else self.by_size[near].like()
         return m
 
     def forget(self, key) -> None:
@@ -273,17 +285,19 @@ class Policy:
         if self.fixed is not None:
             return False
         m = self.measured(len(keys))
+        if len(keys) == 1 and not (m.times or m.ratios):
+            return False  # the first round drafts
+        if m.samples(1) < 2:
+            return True  # plain rounds, queued, measure what plain decoding costs
         if len(keys) == 1:
-            if m.times and m.samples(1) < 2:
-                return True  # plain rounds, queued, measure what plain decoding costs
-            if not m.times or not (m.plain_rounds > 0 or self._best(m, keys, drafters) == 0):
+            if not (m.plain_rounds > 0 or self._best(m, keys, drafters) == 0):
                 return False
             if m.plain_rounds + 1 < (m.every or self.PROBE_EVERY):
                 return True
             m.look = self._look(m, keys, drafters)  # the next round would ask the same: it is kept
             return not m.look[0]
         if m.mode == "explore":
-            return m.samples(1) < 2
+            return False
         if m.mode == "plain":
             return m.run == 0 and m.since + 1 < m.every
         return m.mode == "drafting" and m.run > 1
@@ -313,8 +327,8 @@ class Policy:
     def _one(self, keys: list, drafters: list) -> int:
         """One row: the model decides while drafting; after a few plain rounds it looks again."""
         m = self.measured(1)
-        if not m.times:
-            return self.k_max  # start optimistic: the measured costs soon say
+        if not (m.times or m.ratios):
+            return self.k_max  # nothing known: start optimistic, the measured costs soon say
         if m.samples(1) < 2:  # and measure a plain round's cost: without it, every K looks as cheap
             return 0
         if not m.plain_rounds:
@@ -345,12 +359,13 @@ class Policy:
     def _batch(self, keys: list, drafters: list) -> int:
         """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""
         m = self.measured(len(keys))
-        if m.mode == "explore":  # plain rounds, then one-token drafts: two measured each
-            if m.samples(1) < 2:
-                return 0
+        if m.samples(1) < 2:  # plain rounds first, what drafting is weighed against
+            return 0
+        if m.mode == "explore":  # then one-token drafts, two measured
             if m.samples(2) < 2:
                 return min(1, self.k_max)
-            m.mode, m.every = ("drafting", self.RUN) if self._best(m, keys, drafters) else ("plain", self.PROBE_FIRST)
+            m.mode, m.every = ("drafting", Measured.RUN_FIRST) if self._best(m, keys, drafters) else \
+                ("plain", self.PROBE_FIRST)
         m.since += 1
         if m.run:  # a run of the other kind goes on
             m.run -= 1
@@ -374,8 +389,8 @@ class Policy:
             m.mode, m.every = ("plain", self.PROBE_FIRST) if drafting * self.MARGIN < plain else \
                 ("drafting", min(2 * m.every, self.MEASURE_EVERY))  # (soon after it started, then less often)
         elif m.mode == "plain":
-            if drafting > plain * self.MARGIN:
-                m.mode, m.every = "drafting", self.RUN
+            if drafting > plain * self.RETURN_MARGIN:
+                m.mode, m.every = "drafting", Measured.RUN_FIRST
             else:
                 m.every = min(2 * m.every, self.PROBE_LAST)
 

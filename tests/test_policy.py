@@ -92,3 +92,23 @@ def test_a_verification_cost_is_guessed_from_the_nearest_measured():
         policy.record([0], [8], [8], 9, 9, 5.0)
     m = policy.measured(1)
     assert abs(m.verify_time(7) - 4.0) < 1e-9  # two: the line through them (not through the plain round)
+
+
+def simulate_batch(policy: Policy, drafter, B: int, rounds: int, seconds) -> list[int]:
+    """`rounds` rounds of B rows whose drafts are all kept, a round of K costing `seconds(K)`."""
+    keys, chosen = list(range(B)), []
+    for _ in range(rounds):
+        ks = policy.choose(keys, [drafter] * B, [100] * B)
+        policy.record(keys, ks, ks, max(ks) + 1, sum(k + 1 for k in ks), seconds(max(ks)))
+        chosen.append(max(ks))
+    return chosen
+
+
+def test_a_batch_size_met_first_starts_from_the_nearest_measured():
+    # Four rows found that drafting pays; one finishes. Three rows measure their plain rounds, then draft
+    # at once, as four did, instead of exploring one-token drafts first.
+    policy, d = Policy(4), draft_model()
+    four = simulate_batch(policy, d, 4, 40, lambda k: 1.0 + 0.2 * k)
+    assert policy.measured(4).mode == "drafting" and four[-1] > 1
+    three = simulate_batch(policy, d, 3, 5, lambda k: 0.8 + 0.15 * k)
+    assert three[:3] == [0, 0, 0] and min(three[3:]) > 1  # (the first plain round of a shape compiles)
