@@ -112,3 +112,17 @@ def test_a_batch_size_met_first_starts_from_the_nearest_measured():
     assert policy.measured(4).mode == "drafting" and four[-1] > 1
     three = simulate_batch(policy, d, 3, 5, lambda k: 0.8 + 0.15 * k)
     assert three[:3] == [0, 0, 0] and min(three[3:]) > 1  # (the first plain round of a shape compiles)
+
+
+def test_probes_that_keep_losing_stay_far_apart_in_the_next_sequences():
+    # A drafter nothing of which is accepted at this temperature (a chat's turns, a benchmark's prompts):
+    # each sequence would probe at 4, 8, 16... rounds again; it goes on as far apart as the last left off.
+    from mlx_spec.sampling import SamplingParams
+
+    d, params = draft_model(), SamplingParams(temp=1.0)
+    probes = []
+    for _ in range(4):
+        policy = Policy.remembered(d, params, 8)
+        chosen = simulate(policy, d, 64, lambda k: 0, lambda k, before: 1.0 + 0.3 * k)
+        probes.append(sum(k > 0 for k in chosen))
+    assert probes[-1] <= 1 < probes[0]
