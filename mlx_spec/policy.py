@@ -70,13 +70,13 @@ class Acceptance:
 
     def rates(self, k: int, prior: list[float] | None = None) -> list[float]:
         """The rates of positions 0..k-1. What is known of one is weighed against `prior` (its drafter's
-        pooled rates, as much as one round of its own; past the first, the rate before it where that is
-        higher: what the pool knows of a far position may be long stale), else against the rate before it
-        (the first against `PRIOR`): a position seldom reached, or long ago, is taken as the one before."""
+        pooled rates, as much as one round of its own; past the first, halfway to the rate before it where
+        that is higher: what the pool knows of a far position may be stale), else against the rate before
+        it (the first against `PRIOR`): a position seldom reached, or long ago, is taken as the one before."""
         out, before = [], self.PRIOR
         for i in range(k):
-            p, weight = ((max(prior[i], before) if i else prior[i]), 1.0) if prior and i < len(prior) else \
-                (before, self.PRIOR_WEIGHT)
+            p, weight = ((max(prior[i], (prior[i] + before) / 2) if i else prior[i]), 1.0) \
+                if prior and i < len(prior) else (before, self.PRIOR_WEIGHT)
             if i < len(self.reached):
                 p = (self.accepted[i] + p * weight) / (self.reached[i] + weight)
             out.append(p)
@@ -116,6 +116,7 @@ class Measured:
 
     SLOPE = 0.1  # what a drafted token adds to a round, in plain steps, until two K are measured (soon known)
     RUN_FIRST = 3  # a batch, drafting: rounds before its first run of plain ones (then further apart)
+    TRUSTED = 4  # rounds measured at a length before their median stands for it alone
 
     times: dict[int, deque] = field(default_factory=dict)  # K + 1 -> recent seconds of a whole round
     # K + 1 > 1 -> the same, over the plain round's median then: this machine's speed drifts by more
@@ -133,31 +134,36 @@ class Measured:
     look: tuple | None = None  # one row: (K, probe?) of the round that looks again, as the round before found
     probing: bool = False  # one row: the round now recorded is a probe
     kept: bool = False  # one row: the last probe was accepted, so the next round drafts too (and is measured)
-    # Whether a costly drafter's last round was plain: a drafting round after plain ones is a switch (the
-    # drafter catches up on what it missed and pushes the target's weights out of the caches, the queue of
-    # plain rounds is broken), not what drafting goes on costing: its times are not learned from.
+    # Whether a costly drafter's last round was plain, or a row joined: the next drafting round is a switch
+    # (the drafter catches up on what it missed, a prompt or plain rounds, and pushes the target's weights
+    # out of the caches; the queue of plain rounds is broken), not what drafting goes on costing: its times
+    # are not learned from.
     cold: bool = True
     medians: dict | None = None  # S -> the median of `times[S]`, since the last record
 
     def verify_time(self, S: int) -> float:
-        """Measured, or from a line through the measured rounds that drafted (not through a plain round:
-        queued, it overlaps the host's work with the device's, and a drafting round cannot); through one,
-        or from a plain round, a token costs `SLOPE` plain steps."""
+        """Measured (`TRUSTED` rounds at least), or from a line through the measured rounds that drafted,
+        each length weighed by its rounds (not through a plain round: queued, it overlaps the host's work
+        with the device's, and a drafting round cannot); through one, or from a plain round, a token costs
+        `SLOPE` plain steps. A K seldom chosen is thus not held to a few rounds that went badly."""
         if self.medians is None:  # once a round: the model asks for every K
             self.medians = {s: statistics.median(t) for s, t in self.times.items()}
             if 1 in self.medians:
                 self.medians.update({s: statistics.median(r) * self.medians[1] for s, r in self.ratios.items()})
         medians = self.medians
-        if S in medians:
+        rounds = {s: len(self.ratios.get(s) or self.times.get(s, ())) for s in medians}
+        if S in medians and (S == 1 or rounds[S] >= self.TRUSTED):
             return medians[S]
         plain = medians[1]  # (the model is asked once plain rounds are measured)
         drafts = {s: t for s, t in medians.items() if s > 1}
         if len(drafts) < 2:
             s0, t0 = next(iter(drafts.items()), (1, plain))
             return max(t0 + self.SLOPE * plain * (S - s0), plain)
-        ss, ts = list(drafts), list(drafts.values())
-        ms, mt = sum(ss) / len(ss), sum(ts) / len(ts)
-        slope = sum((a - ms) * (b - mt) for a, b in zip(ss, ts)) / sum((a - ms) ** 2 for a in ss)
+        w = [rounds[s] for s in drafts]
+        ms = sum(n * s for n, s in zip(w, drafts)) / sum(w)
+        mt = sum(n * t for n, t in zip(w, drafts.values())) / sum(w)
+        spread = sum(n * (s - ms) ** 2 for n, s in zip(w, drafts))
+        slope = sum(n * (s - ms) * (t - mt) for n, (s, t) in zip(w, drafts.items())) / spread
         return max(mt + max(slope, 0.0) * (S - ms), plain)
 
     def samples(self, S: int) -> int:
@@ -263,6 +269,7 @@ class Policy:
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`:
         its drafter has nothing to draft this round, so it decodes plainly whatever its K)."""
+        joined = any(d is not None and key not in self.acceptance for key, d in zip(keys, drafters))
         for key, d in zip(keys, drafters):
             if d is not None:
                 self._acceptance(key, d)  # a row's drafts count in its drafter's pool from its first round
@@ -272,8 +279,8 @@ class Policy:
             k = self._one(keys, drafters) if len(keys) == 1 else self._batch(keys, drafters)
         ks = [min(k, room) if d is not None and not (empty and empty[b]) else 0
               for b, (d, room) in enumerate(zip(drafters, rooms))]
-        if not any(ks) and any(d is not None and d.costly for d in drafters):
-            self.measured(len(keys)).cold = True
+        if (joined or not any(ks)) and any(d is not None and d.costly for d in drafters):
+            self.measured(len(keys)).cold = True  # (a row that joined: its drafter first reads its prompt)
         for key, d, row_k in zip(keys, drafters, ks):  # a row that drafts nothing learns nothing: what it knew fades
             if d is not None and not row_k and not d.guesses:
                 self.acceptance[key].fade(self.FADE)
