@@ -92,6 +92,26 @@ def test_a_verification_cost_is_guessed_from_the_nearest_measured():
         policy.record([0], [8], [8], 9, 9, 5.0)
     m = policy.measured(1)
     assert abs(m.verify_time(7) - 4.0) < 1e-9  # two: the line through them (not through the plain round)
+    for _ in range(3):  # a length chosen seldom, its rounds slow: the line through all still speaks for it
+        policy.record([0], [6], [6], 7, 7, 9.0)  # (the first of a shape is not counted)
+    m = policy.measured(1)
+    assert m.samples(7) == 2 and m.verify_time(7) < 6.0
+    for _ in range(2):  # measured four times: it stands alone
+        policy.record([0], [6], [6], 7, 7, 9.0)
+    assert policy.measured(1).verify_time(7) == 9.0
+
+
+def test_the_round_after_a_row_joins_is_not_what_drafting_costs():
+    # A new row's drafter first reads its prompt: that round's time is not learned from.
+    policy, d = Policy(8), draft_model()
+    simulate(policy, d, 30, lambda k: k, lambda k, before: 1.0 + 0.1 * k)
+    m = policy.measured(1)
+    k = policy.choose(["new"], [d], [100])[0]
+    assert k > 0
+    before = m.samples(k + 1)
+    policy.record(["new"], [k], [k], k + 1, k + 1, 50.0)
+    assert m.samples(k + 1) == before
+    assert max(m.times[k + 1]) < 50.0
 
 
 def simulate_batch(policy: Policy, drafter, B: int, rounds: int, seconds) -> list[int]:
