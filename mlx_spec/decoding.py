@@ -140,8 +140,8 @@ class Decoder:
         ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
                                 [max(r.max_tokens - r.produced - 1, 0) for r in rows],  # a round adds one token
                                 [guesses.get(b, 0) is None for b in range(len(rows))])  # nothing to draft
-        if not any(ks):
-            return self._plain_step(guesses)
+        if not any(ks) or self.queued is not None:  # a round queued is taken (its forward is under way): a
+            return self._plain_step(guesses)  # choice to draft made on news that came after it waits a round
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
         tic = time.perf_counter()
