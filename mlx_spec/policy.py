@@ -14,8 +14,9 @@ per token; a verification cannot overlap the host's work as queued plain rounds
 do), so nothing is assumed of the line but a small slope until two K are
 measured. A round that drafts right after plain ones is a switch (the drafter
 catches up on what it missed, the target's weights were pushed out of the
-caches): not what drafting goes on costing, so not learned from. The K with the
-least time per token wins; K = 0 is plain decoding.
+caches): not what drafting goes on costing, so not learned from (but a batch's
+rates, which decide whether to draft at all, count it). The K with the least
+time per token wins; K = 0 is plain decoding.
 
 One row starts optimistic (K at its most) and follows the model. After a few
 plain rounds it looks again: what it knew has faded toward its drafter's pool,
@@ -427,6 +428,9 @@ class Policy:
                 ratio = seconds / statistics.median(m.times[1])
                 m.ratios.setdefault(chosen, deque(maxlen=RECENT)).append(ratio)
             m.times.setdefault(chosen, deque(maxlen=RECENT)).append(seconds)
+        # A batch's rates weigh whether to draft at all: there a switch costs what it costs (every row's
+        # drafter catching up; its prompts, for rows that joined), and drafting must pay for it too.
+        if not first and (not switch or len(keys) > 1):
             d = self.RATE_DECAY
             m.tokens[drafting] = d * m.tokens[drafting] + tokens
             m.seconds[drafting] = d * m.seconds[drafting] + seconds

@@ -146,3 +146,20 @@ def test_probes_that_keep_losing_stay_far_apart_in_the_next_sequences():
         chosen = simulate(policy, d, 64, lambda k: 0, lambda k, before: 1.0 + 0.3 * k)
         probes.append(sum(k > 0 for k in chosen))
     assert probes[-1] <= 1 < probes[0]
+
+
+def test_a_batch_weighs_what_its_switches_to_drafting_cost():
+    # Four rows; a drafting round yields 2 tokens a row for 1.6 plain steps (1.25x plain decoding), but the
+    # round that drafts after plain ones costs 30 (every row's drafter catching up). Drafting, with a run
+    # of plain rounds now and then to compare, would lose to plain decoding (0.77x of it): a batch counts
+    # its switches. (Finding that out costs a few switches: 0.96x over these rounds.)
+    policy, d, keys = Policy(1), draft_model(), list(range(4))
+    tokens = seconds = 0.0
+    before = 0
+    for _ in range(3000):
+        ks = policy.choose(keys, [d] * 4, [100] * 4)
+        k = max(ks)
+        cost = 1.0 if not k else 30.0 if not before else 1.6
+        policy.record(keys, ks, ks, k + 1, sum(n + 1 for n in ks), cost)
+        tokens, seconds, before = tokens + sum(n + 1 for n in ks), seconds + cost, k
+    assert tokens / seconds > 0.9 * 4
