@@ -107,7 +107,9 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     ones; the methods take turns, batch by batch and in a new order each time, so
     the machine's drift is shared. A method's throughput is its median over the
     batches (one batch's run is often 10-30% off on this machine, either way),
-    and its ratio to plain decoding that over plain decoding's."""
+    and its ratio to plain decoding the median over batches of its throughput
+    over plain decoding's in the same batch (the machine's speed drifts over
+    minutes: pairs run seconds apart share it)."""
     out = []
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
@@ -133,10 +135,10 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
                     tps[name].append(produced / (time.perf_counter() - tic))
                     totals[name][0] += rounds
                     totals[name][1] += drafted
-        plain = statistics.median(tps[PLAIN])
         for name, (rounds, drafted) in totals.items():
             out.append({"name": name, "batch": B, "temp": temp, "tps": statistics.median(tps[name]),
-                        "mean_k": drafted / rounds, "ratio_to_plain": statistics.median(tps[name]) / plain})
+                        "mean_k": drafted / rounds,
+                        "ratio_to_plain": statistics.median(t / p for t, p in zip(tps[name], tps[PLAIN]))})
     return out
 
 
@@ -561,7 +563,7 @@ def format_report(report: dict) -> str:
         sizes = sorted({r["batch"] for r in report["concurrency"]})
         lines.append("")
         lines.append("throughput, tokens/s of all rows together, by batch size (the median over batches; "
-                     "mean K drafted a round):")
+                     "over plain decoding's in the same batch; mean K drafted a round):")
         lines.append(f"{'':30} {'temp':>4} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
         for name, temp in dict.fromkeys((r["name"], r["temp"]) for r in report["concurrency"]):
             cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name and r["temp"] == temp}
