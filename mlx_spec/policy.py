@@ -343,11 +343,12 @@ class Policy:
             return 0
         if not m.plain_rounds:
             best = self._best(m, keys, drafters)
-            if m.kept:  # a probe's round is a switch, never measured: an accepted one goes on a round
-                best, m.kept = max(best, min(self.PROBE_K, self.k_max)), False
             if best:
-                m.every = 0
+                m.every, m.kept = 0, False
                 return best
+            if m.kept:  # a probe's round is a switch, never measured: an accepted one goes on a round (probes
+                m.kept = False  # stay as far apart: what the model weighs against is the cost, measured now)
+                return min(self.PROBE_K, self.k_max)
         m.plain_rounds += 1
         if m.plain_rounds < (m.every or self.PROBE_EVERY):
             return 0

@@ -163,3 +163,12 @@ def test_a_batch_weighs_what_its_switches_to_drafting_cost():
         policy.record(keys, ks, ks, k + 1, sum(n + 1 for n in ks), cost)
         tokens, seconds, before = tokens + sum(n + 1 for n in ks), seconds + cost, k
     assert tokens / seconds > 0.9 * 4
+
+
+def test_accepted_probes_stay_far_apart_where_drafting_costs_too_much():
+    # Every draft is kept, but a drafting round costs 2 plain steps and one more a drafted token (a target
+    # split over a slow link): the model says plain. An accepted probe tells nothing new, so probes still
+    # grow further apart.
+    policy, d = Policy(8), draft_model()
+    chosen = simulate(policy, d, 300, lambda k: k, lambda k, before: 2.0 + k if k else 1.0)
+    assert sum(k > 0 for k in chosen[50:]) <= 10
