@@ -141,6 +141,7 @@ class Measured:
     # are not learned from.
     cold: bool = True
     medians: dict | None = None  # S -> the median of `times[S]`, since the last record
+    rounds: dict = field(default_factory=dict)  # S -> the rounds behind that median
 
     def verify_time(self, S: int) -> float:
         """Measured (`TRUSTED` rounds at least), or from a line through the measured rounds that drafted,
@@ -151,8 +152,8 @@ class Measured:
             self.medians = {s: statistics.median(t) for s, t in self.times.items()}
             if 1 in self.medians:
                 self.medians.update({s: statistics.median(r) * self.medians[1] for s, r in self.ratios.items()})
-        medians = self.medians
-        rounds = {s: len(self.ratios.get(s) or self.times.get(s, ())) for s in medians}
+            self.rounds = {s: len(self.ratios.get(s) or self.times.get(s, ())) for s in self.medians}
+        medians, rounds = self.medians, self.rounds
         if S in medians and (S == 1 or rounds[S] >= self.TRUSTED):
             return medians[S]
         plain = medians[1]  # (the model is asked once plain rounds are measured)
