@@ -147,7 +147,11 @@ class Measured:
         """Measured (`TRUSTED` rounds at least), or from a line through the measured rounds that drafted,
         each length weighed by its rounds (not through a plain round: queued, it overlaps the host's work
         with the device's, and a drafting round cannot); through one, or from a plain round, a token costs
-        `SLOPE` plain steps. A K seldom chosen is thus not held to a few rounds that went badly."""
+        `SLOPE` plain steps, but a shorter draft than the one measured lies between it and a plain round (a
+        costly drafter's cost grows with K: held to the longer draft's cost less `SLOPE` a token, a model
+        that drafts one token well and two badly would wait for a probe to try one). A K seldom chosen is thus not held
+        to a few rounds that went badly, and a K unmeasured is guessed as cheap as it may be: its first
+        rounds say."""
         if self.medians is None:  # once a round: the model asks for every K
             self.medians = {s: statistics.median(t) for s, t in self.times.items()}
             if 1 in self.medians:
@@ -160,6 +164,8 @@ class Measured:
         drafts = {s: t for s, t in medians.items() if s > 1}
         if len(drafts) < 2:
             s0, t0 = next(iter(drafts.items()), (1, plain))
+            if S < s0:
+                return plain + max(t0 - plain, 0.0) * (S - 1) / (s0 - 1)
             return max(t0 + self.SLOPE * plain * (S - s0), plain)
         w = [rounds[s] for s in drafts]
         ms = sum(n * s for n, s in zip(w, drafts)) / sum(w)
