@@ -98,13 +98,14 @@ def batch_sizes(value: str) -> list[int]:
 
 
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
-                        temps: list[float], batches: int = 6) -> list[dict]:
+                        temps: list[float], batches: int = 6, sequences: int = 24) -> list[dict]:
     """Throughput of B sequences decoded together (`Decoder`), per batch size,
     temperature and method, and the mean draft length the policy chose: where
     verification stops being memory-bound, it drafts less, then not at all. As a
     server would, each method's decoder serves a first batch (compiling, and
     measuring what drafting costs at this batch size), then `batches` measured
-    ones; the methods take turns, batch by batch and in a new order each time, so
+    ones, or more where fewer would decode under `sequences` (one sequence is a
+    sample of text a drafter may or may not suit); the methods take turns, batch by batch and in a new order each time, so
     the machine's drift is shared. A method's throughput is its median over the
     batches (one batch's run is often 10-30% off on this machine, either way),
     and its ratio to plain decoding the median over batches of its throughput
@@ -117,7 +118,7 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
                 for name, drafter in drafters.items() if drafter is None or not drafter.one_row or B == 1}
         totals = {name: [0, 0] for name in runs}  # rounds, drafted
         tps: dict[str, list[float]] = {name: [] for name in runs}
-        for batch in range(batches + 1):
+        for batch in range(max(batches, -(-sequences // B)) + 1):
             order = list(runs.items())
             random.Random(batch).shuffle(order)
             for name, (decoder, session) in order:  # one drafter session for the whole batch
