@@ -224,7 +224,8 @@ class Decoder:
         self.queued = None
         # Queued only where the next round is plain too: one that drafts would wait for it, then drop it.
         keys, drafters = [r.key for r in self.rows], [r.drafter for r in self.rows]
-        if self.policy.plain_next(keys, drafters) and all(r.max_tokens - r.produced > 1 for r in self.rows):
+        empty = [b in guesses and guesses[b] is None for b in range(len(self.rows))]
+        if self.policy.plain_next(keys, drafters, empty) and all(r.max_tokens - r.produced > 1 for r in self.rows):
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
         tokens = host.read(y)

@@ -294,10 +294,13 @@ class Policy:
                 self.acceptance[key].fade(self.FADE)
         return ks
 
-    def plain_next(self, keys: list, drafters: list) -> bool:
+    def plain_next(self, keys: list, drafters: list, empty: list[bool] | None = None) -> bool:
         """Whether the next round will decode plainly, as far as is known now (so
-        it may be queued before this one's tokens are read)."""
-        if all(d is None for d in drafters):
+        it may be queued before this one's tokens are read). A row whose drafter
+        found nothing to draft this round (`empty`) is taken to find nothing the
+        next round either: new text comes in runs, and an unqueued plain round
+        costs more than drafting a round later."""
+        if all(d is None or (empty and empty[b]) for b, d in enumerate(drafters)):
             return True
         if self.fixed is not None:
             return False

@@ -319,6 +319,10 @@ def test_a_drafter_that_guesses_is_weighed_by_plain_rounds_instead_of_probes():
         policy.observe(0, 1.0)
         rounds += 1
         assert rounds <= 3 * Policy.PROBE_EVERY
+    # The model says draft; a row whose drafter found nothing this round is taken to find nothing the next
+    # (new text comes in runs): its next round is plain, so it is queued.
+    assert not policy.plain_next([0], [d])
+    assert policy.plain_next([0], [d], [True])
 
 
 @pytest.mark.parametrize("kind", ["lookup", "suffix"])
