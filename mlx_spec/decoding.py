@@ -65,7 +65,7 @@ class Decoder:
     `step` runs one round for every row and returns each row's event; a row leaves once it has produced
     `max_tokens` (with `keep_finished`, it stays, holding its cache for a next turn)."""
 
-    def __init__(self, model, k_max: int = 8, num_draft: int | None = None, acceptance: str = "exact",
+    def __init__(self, model, k_max: int | None = None, num_draft: int | None = None, acceptance: str = "exact",
                  cache: list[KVCache] | None = None, keep_finished: bool = False, policy: Policy | None = None):
         if acceptance not in ("exact", "typical"):
             raise UserError(f"--acceptance must be exact or typical, got '{acceptance}'")
@@ -274,10 +274,10 @@ class Decoder:
 
 
 def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
-                      drafter: Drafter | None = None, num_draft: int | None = None, k_max: int = 8,
+                      drafter: Drafter | None = None, num_draft: int | None = None, k_max: int | None = None,
                       cache: list[KVCache] | None = None, acceptance: str = "exact") -> Iterator[StepEvent]:
     """One sequence: the batch of one, an event per round. `num_draft` fixes K (a tree's depth);
-    otherwise K adapts (`policy.Policy`). A `cache` given may already hold the prompt's first tokens
+    otherwise K adapts (`policy.Policy`), up to `k_max` or the drafter's own most. A `cache` given may already hold the prompt's first tokens
     (an earlier chat turn): as much is kept as the drafter's own state still matches.
     `acceptance="typical"` is Medusa's lossy rule for trees at temperature > 0."""
     decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True,

@@ -211,8 +211,11 @@ class Policy:
     # after a bad patch, its drafter's pooled rates come back to the fore, and it drafts again.
     FADE = 0.9
 
-    def __init__(self, k_max: int, fixed: int | None = None):
+    def __init__(self, k_max: int | None = None, fixed: int | None = None):
+        # The most a row drafts: `fixed` (K does not adapt), else `k_max` where given, else its drafter's
+        # own (`Drafter.k_max`); `most` is this round's, for its rows' drafters.
         self.k_max, self.fixed = (fixed or k_max), fixed
+        self.most = self.k_max or 0
         self.by_size: dict[int, Measured] = {}
         self.acceptance: dict[object, Acceptance] = {}  # row key -> its drafts' acceptance
         # Per drafter, by the id of its `lineage` (its sessions share what is learned of it): its rows'
@@ -222,7 +225,7 @@ class Policy:
         self.owner: dict[object, int] = {}  # row key -> id(its drafter's lineage)
 
     @classmethod
-    def remembered(cls, drafter, params: SamplingParams, k_max: int, fixed: int | None = None) -> Policy:
+    def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None, fixed: int | None = None) -> Policy:
         """One sequence's policy, as the drafter's earlier sequences at these sampling settings left it (a
         chat's turns, a benchmark's prompts): the costs and the drafter's pooled acceptance are known from
         the first round, so a drafter that does not pay is not tried at its most K again, and probes that
@@ -260,7 +263,7 @@ class Policy:
     def _tokens(self, key, drafter) -> list[float]:
         """A row's expected tokens for each K, from its own drafts against its drafter's pool."""
         pooled = self.pooled.get(id(drafter.lineage))
-        return self._acceptance(key, drafter).tokens(self.k_max, pooled.rates(self.k_max) if pooled else None)
+        return self._acceptance(key, drafter).tokens(self.most, pooled.rates(self.most) if pooled else None)
 
     def observe(self, key, odds: float) -> None:
         """A plain round's news of a row whose drafter guessed a token (`Drafter.guess`): a draft
@@ -277,15 +280,16 @@ class Policy:
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`:
         its drafter has nothing to draft this round, so it decodes plainly whatever its K)."""
+        self._rows(drafters)
         joined = any(d is not None and key not in self.acceptance for key, d in zip(keys, drafters))
         for key, d in zip(keys, drafters):
             if d is not None:
                 self._acceptance(key, d)  # a row's drafts count in its drafter's pool from its first round
         if self.fixed is not None or all(d is None for d in drafters):
-            k = self.k_max
+            k = self.most
         else:
             k = self._one(keys, drafters) if len(keys) == 1 else self._batch(keys, drafters)
-        ks = [min(k, room) if d is not None and not (empty and empty[b]) else 0
+        ks = [min(k, room, self.k_max or d.k_max) if d is not None and not (empty and empty[b]) else 0
               for b, (d, room) in enumerate(zip(drafters, rooms))]
         if (joined or not any(ks)) and any(d is not None and d.costly for d in drafters):
             self.measured(len(keys)).cold = True  # (a row that joined: its drafter first reads its prompt)
@@ -302,6 +306,7 @@ class Policy:
         costs more than drafting a round later."""
         if all(d is None or (empty and empty[b]) for b, d in enumerate(drafters)):
             return True
+        self._rows(drafters)
         if self.fixed is not None:
             return False
         m = self.measured(len(keys))
@@ -322,11 +327,16 @@ class Policy:
             return m.run == 0 and m.since + 1 < m.every
         return m.mode == "drafting" and m.run > 1
 
+    def _rows(self, drafters: list) -> None:
+        """This round's `most`: the rows' drafters' own, where neither `fixed` nor `k_max` is given."""
+        if not self.k_max:
+            self.most = max((d.k_max for d in drafters if d is not None), default=0)
+
     def _times_per_token(self, m: Measured, keys: list, drafters: list) -> list[float]:
         """Seconds a token for each K = 0..k_max: a round's time over the rows' expected tokens."""
         rows = [self._tokens(key, d) for key, d in zip(keys, drafters) if d is not None]
         times = []
-        for k in range(self.k_max + 1):
+        for k in range(self.most + 1):
             tokens = len(keys) - len(rows) + sum(r[k] for r in rows)
             times.append(m.verify_time(k + 1) / tokens)
         return times
@@ -338,7 +348,7 @@ class Policy:
         if m.best is not None and m.best[0] == (keys, [id(d) for d in drafters]):
             return m.best[1]
         times = self._times_per_token(m, keys, drafters)
-        best = min(range(self.k_max + 1), key=times.__getitem__)
+        best = min(range(self.most + 1), key=times.__getitem__)
         margin = self.GUESSING_MARGIN if any(d is not None and d.guesses for d in drafters) else self.MARGIN
         best = best if times[best] * margin < times[0] else 0
         m.best = ((list(keys), [id(d) for d in drafters]), best)
@@ -348,7 +358,7 @@ class Policy:
         """One row: the model decides while drafting; after a few plain rounds it looks again."""
         m = self.measured(1)
         if not (m.times or m.ratios):
-            return self.k_max  # nothing known: start optimistic, the measured costs soon say
+            return self.most  # nothing known: start optimistic, the measured costs soon say
         if m.samples(1) < 2:  # and measure a plain round's cost: without it, every K looks as cheap
             return 0
         if not m.plain_rounds:
@@ -358,7 +368,7 @@ class Policy:
                 return best
             if m.kept:  # a probe's round is a switch, never measured: an accepted one goes on a round (probes
                 m.kept = False  # stay as far apart: what the model weighs against is the cost, measured now)
-                return min(self.PROBE_K, self.k_max)
+                return min(self.PROBE_K, self.most)
         m.plain_rounds += 1
         if m.plain_rounds < (m.every or self.PROBE_EVERY):
             return 0
@@ -375,7 +385,7 @@ class Policy:
         best = self._best(m, keys, drafters)
         if best or drafters[0].guesses:
             return best, False
-        return min(self.PROBE_K, self.k_max), True
+        return min(self.PROBE_K, self.most), True
 
     def _batch(self, keys: list, drafters: list) -> int:
         """A batch: the measured rates of whole rounds decide whether to draft, the model how far."""
@@ -384,7 +394,7 @@ class Policy:
             return 0
         if m.mode == "explore":  # then one-token drafts, two measured
             if m.samples(2) < 2:
-                return min(1, self.k_max)
+                return min(1, self.most)
             m.mode, m.every = ("drafting", Measured.RUN_FIRST) if self._best(m, keys, drafters) else \
                 ("plain", self.PROBE_FIRST)
         m.since += 1

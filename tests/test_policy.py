@@ -183,3 +183,16 @@ def test_accepted_probes_stay_far_apart_where_drafting_costs_too_much():
     policy, d = Policy(8), draft_model()
     chosen = simulate(policy, d, 300, lambda k: k, lambda k, before: 2.0 + k if k else 1.0)
     assert sum(k > 0 for k in chosen[50:]) <= 10
+
+
+def test_each_drafter_drafts_up_to_its_own_most(checkpoints):
+    # Drafts all kept, rounds nearly flat in K: a copy costs nothing to draft (lookup: 16 a round), a model
+    # a step a token (8), a DFlash block is one forward (its block but the anchor). `k_max` caps them all.
+    from mlx_spec.drafters.dflash import DFlash, DFlashNet, dflash_config
+    from mlx_spec.models import load_model
+
+    target = load_model(str(checkpoints["qwen3"]))[0]
+    net = DFlashNet(dflash_config(target, num_layers=1, block_size=12, mask_token_id=0, target_layers=[0]))
+    for drafter, most in ((PromptLookup(), 16), (draft_model(), 8), (DFlash(net, target), 11)):
+        assert max(simulate(Policy(), drafter, 30, lambda k: k, lambda k, before: 1.0 + 0.01 * k)) == most
+        assert max(simulate(Policy(4), drafter, 30, lambda k: k, lambda k, before: 1.0 + 0.01 * k)) == 4

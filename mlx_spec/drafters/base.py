@@ -127,6 +127,9 @@ class Drafter(ABC):
     one_row = False
     # True when `guess` names, on the host and at no cost, the token a draft would start with.
     guesses = False
+    # The most it drafts a round where K adapts: past it, a drafter that runs a model a step a token pays
+    # more than the far positions' acceptance brings back.
+    k_max = 8
 
     @property
     @abstractmethod

@@ -197,6 +197,7 @@ class DFlash(RowStates):
         super().__init__()
         self.net, self.target, self.budget = net, target, budget
         self.block_size = block_size or net.block_size
+        self.k_max = self.block_size - 1  # one forward drafts the whole block
         self.capture = tuple(j + 1 for j in net.settings["target_layer_ids"])  # outputs of those layers
         self.cache = self.caches = [KVCache(rows=0) for _ in self.net.layers]  # each row's context keys and values
 

@@ -46,6 +46,7 @@ class Index:
 class PromptLookup(HostDrafter):
     kind = "lookup"
     guesses = True
+    k_max = 16  # a copy costs nothing to draft: only the verification grows with it
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         super().__init__()

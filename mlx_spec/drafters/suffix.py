@@ -79,6 +79,7 @@ class SuffixDecoding(HostDrafter):
 
     kind = "suffix"
     guesses = True
+    k_max = 16  # a copy costs nothing to draft: only the verification grows with it
 
     def __init__(self, max_depth: int = 24, alpha: float = 2.0, min_prob: float = 0.1):
         super().__init__()

@@ -147,7 +147,7 @@ class DecoderLayer(nn.Module):
 # Decoding and verification run few tokens at a time, always the same few
 # lengths: those are compiled (one trace per length). Prompts come in every
 # length, and are long enough that the eager overhead does not matter.
-COMPILED_MAX_TOKENS = 16
+COMPILED_MAX_TOKENS = 32
 
 
 class _CompiledLayer:
