@@ -114,14 +114,17 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     out = []
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
-        runs = {name: (Decoder(model), drafter.new_session() if drafter is not None else None)
+        runs = {name: (Decoder(model), drafter)
                 for name, drafter in drafters.items() if drafter is None or not drafter.one_row or B == 1}
         totals = {name: [0, 0] for name in runs}  # rounds, drafted
         tps: dict[str, list[float]] = {name: [] for name in runs}
         for batch in range(max(batches, -(-sequences // B)) + 1):
             order = list(runs.items())
             random.Random(batch).shuffle(order)
-            for name, (decoder, session) in order:  # one drafter session for the whole batch
+            for name, (decoder, drafter) in order:
+                # A drafter session a batch (sessions share what the policy learned of the drafter): suffix
+                # decoding's would otherwise recall earlier batches' answers to the same prompts.
+                session = drafter.new_session() if drafter is not None else None
                 mx.random.seed(batch)
                 for i in range(B):
                     decoder.add((batch, i), prompts[(i + batch * B) % len(prompts)], params, n, session)

@@ -149,9 +149,9 @@ class Measured:
         with the device's, and a drafting round cannot); through one, or from a plain round, a token costs
         `SLOPE` plain steps, but a shorter draft than the one measured lies between it and a plain round (a
         costly drafter's cost grows with K: held to the longer draft's cost less `SLOPE` a token, a model
-        that drafts one token well and two badly would wait for a probe to try one). A K seldom chosen is thus not held
-        to a few rounds that went badly, and a K unmeasured is guessed as cheap as it may be: its first
-        rounds say."""
+        that drafts one token well and two badly would wait for a probe to try one). A K seldom chosen is
+        thus not held to a few rounds that went badly, and a K unmeasured is guessed as cheap as it may be:
+        its first rounds say."""
         if self.medians is None:  # once a round: the model asks for every K
             self.medians = {s: statistics.median(t) for s, t in self.times.items()}
             if 1 in self.medians:
@@ -333,7 +333,7 @@ class Policy:
             self.most = max((d.k_max for d in drafters if d is not None), default=0)
 
     def _times_per_token(self, m: Measured, keys: list, drafters: list) -> list[float]:
-        """Seconds a token for each K = 0..k_max: a round's time over the rows' expected tokens."""
+        """Seconds a token for each K = 0..most: a round's time over the rows' expected tokens."""
         rows = [self._tokens(key, d) for key, d in zip(keys, drafters) if d is not None]
         times = []
         for k in range(self.most + 1):
