@@ -17,9 +17,9 @@ versions, mode), then the target's checkpoint files (config, tensor names, place
 weight is read before the split, after which each rank reads its share alone) and the drafter, then
 each generation's request and random state, and each round's tokens; a difference is one error naming
 the rank. The policy's choices (K, plain rounds) follow measured times, which differ between ranks: every
-rank records rank 0's. A rank that dies ends the others' next collective at once; one that hangs is
-caught by a watchdog (no forward for `--shard-timeout` seconds); either way every rank stops with one
-line on stderr. Only rank 0 prints; the other ranks' stderr passes their errors alone.
+rank records rank 0's. A rank that dies ends the others' next collective at once (but where MLX's ring
+backend loses the error of a forward queued ahead); one that hangs, or such a loss, is caught by a
+watchdog (no forward for `--shard-timeout` seconds); either way every rank stops with one line on stderr. Only rank 0 prints; the other ranks' stderr passes their errors alone.
 """
 
 from __future__ import annotations

@@ -148,16 +148,21 @@ def _long_run(tmp_path, timeout: float) -> list[subprocess.Popen]:
 
 
 def test_a_killed_rank_ends_the_other_with_one_line(tmp_path):
-    procs = _long_run(tmp_path, 30)
+    """Rank 0 stops within --shard-timeout with one line: the connection lost, or, where MLX's ring backend
+    loses the error in a forward queued ahead (a plain round), no word from the other rank."""
+    procs = _long_run(tmp_path, 4)
     procs[1].kill()
     tic = time.monotonic()
     survivor = finished(procs[0])
-    assert time.monotonic() - tic < 10
-    assert survivor.returncode == 1
-    assert survivor.stderr.strip().splitlines() == [
-        "mlx-spec: error: rank 0: lost the connection to another rank (it ended, or the link between them went down): "
-        "the run stops"], survivor.stderr
+    took = time.monotonic() - tic
     procs[1].wait()
+    assert survivor.returncode == 1 and took < 10, (took, survivor.stderr)
+    lines = survivor.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] in (
+        "mlx-spec: error: rank 0: lost the connection to another rank (it ended, or the link between them went down): "
+        "the run stops",
+        "mlx-spec: error: rank 0: no word from the other ranks for 4 s (one died or hangs; --shard-timeout): "
+        "the run stops"), survivor.stderr
 
 
 def test_a_hung_rank_ends_the_other_within_the_timeout(tmp_path):
