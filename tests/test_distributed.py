@@ -156,12 +156,17 @@ def test_a_killed_rank_ends_the_other_with_one_line(tmp_path):
     survivor = finished(procs[0])
     took = time.monotonic() - tic
     procs[1].wait()
+    assert_stopped_for_a_lost_rank(survivor, took, 4)
+
+
+def assert_stopped_for_a_lost_rank(survivor, took: float, timeout: int) -> None:
+    """Rank 0 ended with exit 1 within 10 s and one line: the connection lost, or no word within `timeout`."""
     assert survivor.returncode == 1 and took < 10, (took, survivor.stderr)
     lines = survivor.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0] in (
         "mlx-spec: error: rank 0: lost the connection to another rank (it ended, or the link between them went down): "
         "the run stops",
-        "mlx-spec: error: rank 0: no word from the other ranks for 4 s (one died or hangs; --shard-timeout): "
+        f"mlx-spec: error: rank 0: no word from the other ranks for {timeout} s (one died or hangs; --shard-timeout): "
         "the run stops"), survivor.stderr
 
 
@@ -320,13 +325,7 @@ def test_a_killed_rank_ends_the_server_with_one_line(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
-    assert survivor.returncode == 1 and took < 10, (took, survivor.stderr)
-    lines = survivor.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0] in (
-        "mlx-spec: error: rank 0: lost the connection to another rank (it ended, or the link between them went down): "
-        "the run stops",
-        "mlx-spec: error: rank 0: no word from the other ranks for 3 s (one died or hangs; --shard-timeout): "
-        "the run stops"), survivor.stderr
+    assert_stopped_for_a_lost_rank(survivor, took, 3)
 
 
 def test_chat_under_two_ranks_answers_as_one_process(tmp_path):
