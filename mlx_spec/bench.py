@@ -105,8 +105,8 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     server would, each method's decoder serves a first batch (compiling, and
     measuring what drafting costs at this batch size), then `batches` measured
     ones, or more where fewer would decode under `sequences` (one sequence is a
-    sample of text a drafter may or may not suit); the methods take turns, batch by batch and in a new order each time, so
-    the machine's drift is shared. A method's throughput is its median over the
+    sample of text a drafter may or may not suit); the methods take turns, batch
+    by batch and in a new order each time, so the machine's drift is shared. A method's throughput is its median over the
     batches (one batch's run is often 10-30% off on this machine, either way),
     and its ratio to plain decoding the median over batches of its throughput
     over plain decoding's in the same batch (the machine's speed drifts over

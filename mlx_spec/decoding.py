@@ -277,8 +277,9 @@ def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_
                       drafter: Drafter | None = None, num_draft: int | None = None, k_max: int | None = None,
                       cache: list[KVCache] | None = None, acceptance: str = "exact") -> Iterator[StepEvent]:
     """One sequence: the batch of one, an event per round. `num_draft` fixes K (a tree's depth);
-    otherwise K adapts (`policy.Policy`), up to `k_max` or the drafter's own most. A `cache` given may already hold the prompt's first tokens
-    (an earlier chat turn): as much is kept as the drafter's own state still matches.
+    otherwise K adapts (`policy.Policy`), up to `k_max` or the drafter's own most. A `cache` given
+    may already hold the prompt's first tokens (an earlier chat turn): as much is kept as the drafter's
+    own state still matches.
     `acceptance="typical"` is Medusa's lossy rule for trees at temperature > 0."""
     decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True,
                       policy=Policy.remembered(drafter, params, k_max, num_draft))

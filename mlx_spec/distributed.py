@@ -19,7 +19,8 @@ each generation's request and random state, and each round's tokens; a differenc
 the rank. The policy's choices (K, plain rounds) follow measured times, which differ between ranks: every
 rank records rank 0's. A rank that dies ends the others' next collective at once (but where MLX's ring
 backend loses the error of a forward queued ahead); one that hangs, or such a loss, is caught by a
-watchdog (no forward for `--shard-timeout` seconds); either way every rank stops with one line on stderr. Only rank 0 prints; the other ranks' stderr passes their errors alone.
+watchdog (no forward for `--shard-timeout` seconds); either way every rank stops with one line on stderr.
+Only rank 0 prints; the other ranks' stderr passes their errors alone.
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ class Policy:
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`:
         its drafter has nothing to draft this round, so it decodes plainly whatever its K)."""
-        self._rows(drafters)
+        self._set_most(drafters)
         joined = any(d is not None and key not in self.acceptance for key, d in zip(keys, drafters))
         for key, d in zip(keys, drafters):
             if d is not None:
@@ -306,7 +306,7 @@ class Policy:
         costs more than drafting a round later."""
         if all(d is None or (empty and empty[b]) for b, d in enumerate(drafters)):
             return True
-        self._rows(drafters)
+        self._set_most(drafters)
         if self.fixed is not None:
             return False
         m = self.measured(len(keys))
@@ -327,7 +327,7 @@ class Policy:
             return m.run == 0 and m.since + 1 < m.every
         return m.mode == "drafting" and m.run > 1
 
-    def _rows(self, drafters: list) -> None:
+    def _set_most(self, drafters: list) -> None:
         """This round's `most`: the rows' drafters' own, where neither `fixed` nor `k_max` is given."""
         if not self.k_max:
             self.most = max((d.k_max for d in drafters if d is not None), default=0)
