@@ -40,6 +40,7 @@ from mlx_spec.metrics import Metrics
 from mlx_spec.sampling import SamplingParams
 
 PLAIN = "mlx-spec"
+CONTROL = "mlx-spec, again"  # batches: plain decoding measured again, as a method is
 SUITES = Path(__file__).parent / "prompts"  # built-in prompt suites, NAME.jsonl
 
 # A runner decodes one prompt: (prompt tokens, params, max tokens) -> step events.
@@ -106,16 +107,19 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     measuring what drafting costs at this batch size), then `batches` measured
     ones, or more where fewer would decode under `sequences` (one sequence is a
     sample of text a drafter may or may not suit); the methods take turns, batch
-    by batch and in a new order each time, so the machine's drift is shared. A method's throughput is its median over the
-    batches (one batch's run is often 10-30% off on this machine, either way),
-    and its ratio to plain decoding the median over batches of its throughput
-    over plain decoding's in the same batch (the machine's speed drifts over
-    minutes: pairs run seconds apart share it)."""
+    by batch and in a new order each time, so the machine's drift is shared. A
+    method's throughput is its median over the batches (one batch's run is often
+    10-30% off on this machine, either way), and its ratio to plain decoding the
+    median over batches of its throughput over plain decoding's in the same batch
+    (the machine's speed drifts over minutes: pairs run seconds apart share it),
+    with the quartiles of those ratios. Plain decoding is also measured a second
+    time as if it were a method (`CONTROL`): its ratio, 1 but for the noise, is
+    how far this run can tell a method from plain decoding."""
     out = []
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
-        runs = {name: (Decoder(model), drafter)
-                for name, drafter in drafters.items() if drafter is None or not drafter.one_row or B == 1}
+        runs = {name: (Decoder(model), drafter) for name, drafter in {PLAIN: None, CONTROL: None, **drafters}.items()
+                if drafter is None or not drafter.one_row or B == 1}
         totals = {name: [0, 0] for name in runs}  # rounds, drafted
         tps: dict[str, list[float]] = {name: [] for name in runs}
         for batch in range(max(batches, -(-sequences // B)) + 1):
@@ -140,9 +144,11 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
                     totals[name][0] += rounds
                     totals[name][1] += drafted
         for name, (rounds, drafted) in totals.items():
+            ratios = [t / p for t, p in zip(tps[name], tps[PLAIN])]
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
             out.append({"name": name, "batch": B, "temp": temp, "tps": statistics.median(tps[name]),
-                        "mean_k": drafted / rounds,
-                        "ratio_to_plain": statistics.median(t / p for t, p in zip(tps[name], tps[PLAIN]))})
+                        "mean_k": drafted / rounds, "ratio_to_plain": statistics.median(ratios),
+                        "ratio_quartiles": [q1, q3]})
     return out
 
 
@@ -567,7 +573,8 @@ def format_report(report: dict) -> str:
         sizes = sorted({r["batch"] for r in report["concurrency"]})
         lines.append("")
         lines.append("throughput, tokens/s of all rows together, by batch size (the median over batches; "
-                     "over plain decoding's in the same batch; mean K drafted a round):")
+                     "over plain decoding's in the same batch; mean K drafted a round; "
+                     f"{CONTROL}: plain decoding measured again, as a method is: its ratio is this run's noise):")
         lines.append(f"{'':30} {'temp':>4} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
         for name, temp in dict.fromkeys((r["name"], r["temp"]) for r in report["concurrency"]):
             cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name and r["temp"] == temp}

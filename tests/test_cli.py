@@ -226,8 +226,13 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     assert "a round's host work (policy, acceptance, cache cuts, commits):" in proc.stdout
     report = json.loads(out.read_text())
     assert report["prompts"] == 2
+    # plain decoding measured a second time, as a method is: the run's own noise, beside the drafters' ratios
     assert {(r["name"], r["batch"]) for r in report["concurrency"]} == {
-        (n, b) for n in ("mlx-spec", "mlx-spec lookup:num-draft=2") for b in (1, 3)}
+        (n, b) for n in ("mlx-spec", "mlx-spec, again", "mlx-spec lookup:num-draft=2") for b in (1, 3)}
+    assert "mlx-spec, again: plain decoding measured again" in proc.stdout
+    for r in report["concurrency"]:
+        low, high = r["ratio_quartiles"]
+        assert 0 < low <= r["ratio_to_plain"] <= high
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
