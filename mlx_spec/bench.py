@@ -581,6 +581,9 @@ def format_report(report: dict) -> str:
             lines.append(f"{name:30} {temp:4.1f} " + " ".join(
                 f"{cells[b]['tps']:8.1f} {cells[b]['ratio_to_plain']:4.2f}x K{cells[b]['mean_k']:3.1f}" if b in cells
                 else f"{'':18}" for b in sizes))
+        lines.append(f"{CONTROL}, the middle half of its batches' ratios (what one batch may read): " + ", ".join(
+            f"B={r['batch']} at {r['temp']:.1f} {r['ratio_quartiles'][0]:.2f}-{r['ratio_quartiles'][1]:.2f}x"
+            for r in report["concurrency"] if r["name"] == CONTROL))
     return "\n".join(lines + notes + distributed.report_lines(report))
 
 

@@ -230,6 +230,7 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     assert {(r["name"], r["batch"]) for r in report["concurrency"]} == {
         (n, b) for n in ("mlx-spec", "mlx-spec, again", "mlx-spec lookup:num-draft=2") for b in (1, 3)}
     assert "mlx-spec, again: plain decoding measured again" in proc.stdout
+    assert "mlx-spec, again, the middle half of its batches' ratios (what one batch may read): B=1 at 0.0 " in proc.stdout
     for r in report["concurrency"]:
         low, high = r["ratio_quartiles"]
         assert 0 < low <= r["ratio_to_plain"] <= high
