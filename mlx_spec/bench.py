@@ -98,6 +98,29 @@ def batch_sizes(value: str) -> list[int]:
     return sizes
 
 
+TURN = 8  # rounds a decoder runs before the other of its pair takes its turn
+
+
+def take_turns(decoders: list[Decoder], turn: int = TURN) -> list[tuple[int, int, int, float]]:
+    """Run the decoders by turns of `turn` rounds until each is done: per decoder, (tokens, rounds, tokens
+    drafted, seconds). A turn ends with the device idle (what it left in flight is its own time), so
+    two decoders taking turns share the machine's drift at the scale of a few rounds."""
+    out = [[0, 0, 0, 0.0] for _ in decoders]
+    while any(d.rows for d in decoders):
+        for decoder, tally in zip(decoders, out):
+            tic = time.perf_counter()
+            for _ in range(turn):
+                if not decoder.rows:
+                    break
+                events = decoder.step()
+                tally[0] += sum(len(e.tokens) for e in events.values())
+                tally[1] += 1
+                tally[2] += max(e.depth for e in events.values())
+            mx.synchronize()
+            tally[3] += time.perf_counter() - tic
+    return [tuple(t) for t in out]
+
+
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
                         temps: list[float], batches: int = 6, sequences: int = 24) -> list[dict]:
     """Throughput of B sequences decoded together (`Decoder`), per batch size,
@@ -106,22 +129,24 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     server would, each method's decoder serves a first batch (compiling, and
     measuring what drafting costs at this batch size), then `batches` measured
     ones, or more where fewer would decode under `sequences` (one sequence is a
-    sample of text a drafter may or may not suit); the methods take turns, batch
-    by batch and in a new order each time, so the machine's drift is shared. A
-    method's throughput is its median over the batches (one batch's run is often
-    10-30% off on this machine, either way), and its ratio to plain decoding the
-    median over batches of its throughput over plain decoding's in the same batch
-    (the machine's speed drifts over minutes: pairs run seconds apart share it),
-    with the quartiles of those ratios. Plain decoding is also measured a second
-    time as if it were a method (`CONTROL`): its ratio, 1 but for the noise, is
-    how far this run can tell a method from plain decoding."""
+    sample of text a drafter may or may not suit). Each method decodes each
+    batch beside plain decoding of the same batch, the two taking turns every
+    `TURN` rounds (`take_turns`): one batch's run alone is often 10-30% off on
+    this machine, either way, and the machine's speed drifts within a second;
+    turns a few rounds long share it. A method's ratio to plain decoding is the
+    median over batches of its throughput over its partner's, with their
+    quartiles; its throughput the median over batches. Plain decoding is also
+    measured as a method is (`CONTROL`): its ratio, 1 but for the noise, is how
+    far this run can tell a method from plain decoding."""
     out = []
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
-        runs = {name: (Decoder(model), drafter) for name, drafter in {PLAIN: None, CONTROL: None, **drafters}.items()
-                if drafter is None or not drafter.one_row or B == 1}
+        plain = Decoder(model)
+        runs = {name: (Decoder(model), drafter) for name, drafter in {CONTROL: None, **drafters}.items()
+                if name != PLAIN and (drafter is None or not drafter.one_row or B == 1)}
         totals = {name: [0, 0] for name in runs}  # rounds, drafted
-        tps: dict[str, list[float]] = {name: [] for name in runs}
+        tps: dict[str, list[float]] = {name: [] for name in (PLAIN, *runs)}
+        ratios: dict[str, list[float]] = {name: [] for name in runs}
         for batch in range(max(batches, -(-sequences // B)) + 1):
             order = list(runs.items())
             random.Random(batch).shuffle(order)
@@ -131,23 +156,24 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
                 session = drafter.new_session() if drafter is not None else None
                 mx.random.seed(batch)
                 for i in range(B):
-                    decoder.add((batch, i), prompts[(i + batch * B) % len(prompts)], params, n, session)
-                tic = time.perf_counter()
-                produced = rounds = drafted = 0
-                while decoder.rows:
-                    events = decoder.step()
-                    rounds += 1
-                    produced += sum(len(e.tokens) for e in events.values())
-                    drafted += max(e.depth for e in events.values())
+                    prompt = prompts[(i + batch * B) % len(prompts)]
+                    decoder.add((batch, i), prompt, params, n, session)
+                    plain.add((batch, i), prompt, params, n)
+                first = batch % 2  # each of the pair goes first half the time
+                results = take_turns([decoder, plain] if first else [plain, decoder])
+                (made, rounds, drafted, seconds), (made_plain, _, _, seconds_plain) = results if first else results[::-1]
                 if batch:  # the first batch warms up
-                    tps[name].append(produced / (time.perf_counter() - tic))
+                    tps[name].append(made / seconds)
+                    tps[PLAIN].append(made_plain / seconds_plain)
+                    ratios[name].append(tps[name][-1] / tps[PLAIN][-1])
                     totals[name][0] += rounds
                     totals[name][1] += drafted
+        out.append({"name": PLAIN, "batch": B, "temp": temp, "tps": statistics.median(tps[PLAIN]),
+                    "mean_k": 0.0, "ratio_to_plain": 1.0, "ratio_quartiles": [1.0, 1.0]})
         for name, (rounds, drafted) in totals.items():
-            ratios = [t / p for t, p in zip(tps[name], tps[PLAIN])]
-            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            q1, _, q3 = statistics.quantiles(ratios[name], n=4)
             out.append({"name": name, "batch": B, "temp": temp, "tps": statistics.median(tps[name]),
-                        "mean_k": drafted / rounds, "ratio_to_plain": statistics.median(ratios),
+                        "mean_k": drafted / rounds, "ratio_to_plain": statistics.median(ratios[name]),
                         "ratio_quartiles": [q1, q3]})
     return out
 

@@ -439,8 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
-                   help="also measure B sequences decoded together, e.g. 1,4,16 (throughput at each temperature; "
-                        "plain decoding is measured twice, the second time as a method is: the run's noise)")
+                   help="also measure B sequences decoded together, e.g. 1,4,16 (throughput at each temperature, each "
+                        "method by turns with plain decoding; plain decoding also as a method is: the run's noise)")
     b.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw acceptance by position and tokens/s per method (needs matplotlib)")
     distributed.add_arguments(b)

@@ -38,3 +38,22 @@ def test_the_bandwidth_bound_is_a_streaming_read_and_absent_in_cache():
     streaming, bound = bandwidth_bound(4 * STREAMING_BYTES)
     assert streaming > 0 and bound == streaming / (4 * STREAMING_BYTES)
     assert bandwidth_bound(256 * 1024)[1] is None
+
+
+def test_decoders_taking_turns_each_run_to_their_end_and_are_timed_apart(checkpoints):
+    """`take_turns`: a pair decodes by turns of a few rounds; each decoder's tokens, rounds, drafted
+    tokens and seconds are its own, and one that ends first leaves the other to run on alone."""
+    from mlx_spec.decoding import Decoder
+    from mlx_spec.drafters.draft_model import DraftModel
+    from mlx_spec.sampling import SamplingParams
+
+    model = load_model(str(checkpoints["qwen3"]))[0]
+    plain, spec = Decoder(model), Decoder(model, num_draft=2)
+    plain.add(0, [1, 2, 3], SamplingParams(), 5)
+    spec.add(0, [1, 2, 3], SamplingParams(), 20, DraftModel(model, model.args.vocab_size))
+    (tokens, rounds, drafted, seconds), (spec_tokens, spec_rounds, spec_drafted, spec_seconds) = \
+        bench.take_turns([plain, spec], turn=3)
+    assert (tokens, rounds, drafted) == (5, 5, 0) and seconds > 0
+    # the target drafting for itself: every draft is kept, 3 tokens a round (the last round drafts 1)
+    assert (spec_tokens, spec_rounds, spec_drafted) == (20, 7, 13) and spec_seconds > 0
+    assert not plain.rows and not spec.rows
