@@ -122,7 +122,8 @@ def take_turns(decoders: list[Decoder], turn: int = TURN) -> list[tuple[int, int
 
 
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
-                        temps: list[float], batches: int = 6, sequences: int = 24) -> list[dict]:
+                        temps: list[float], batches: int = 6, sequences: int = 24,
+                        num_draft: dict[str, int | None] | None = None) -> list[dict]:
     """Throughput of B sequences decoded together (`Decoder`), per batch size,
     temperature and method, and the mean draft length the policy chose: where
     verification stops being memory-bound, it drafts less, then not at all. As a
@@ -137,12 +138,15 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     median over batches of its throughput over its partner's, with their
     quartiles; its throughput the median over batches. Plain decoding is also
     measured as a method is (`CONTROL`): its ratio, 1 but for the noise, is how
-    far this run can tell a method from plain decoding."""
+    far this run can tell a method from plain decoding. `num_draft` fixes a
+    method's K (`:num-draft=K`, as in its one-sequence rows): what a K costs at
+    this batch size, beside what the policy makes of it."""
     out = []
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
         plain = Decoder(model)
-        runs = {name: (Decoder(model), drafter) for name, drafter in {CONTROL: None, **drafters}.items()
+        fixed = num_draft or {}
+        runs = {name: (Decoder(model, num_draft=fixed.get(name)), drafter) for name, drafter in {CONTROL: None, **drafters}.items()
                 if name != PLAIN and (drafter is None or not drafter.one_row or B == 1)}
         totals = {name: [0, 0] for name in runs}  # rounds, drafted
         tps: dict[str, list[float]] = {name: [] for name in (PLAIN, *runs)}
@@ -338,8 +342,9 @@ def drafter_options(entry: str, args: argparse.Namespace) -> tuple[str, dict]:
     return spec, options
 
 
-def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], dict]:
-    """The methods to measure, by row name; and our drafters by row name (None: plain)."""
+def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], dict, dict]:
+    """The methods to measure, by row name; our drafters by row name (None: plain); and the K each drafts
+    where it is fixed (`--num-draft`, `:num-draft=K`; None: the policy chooses)."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -363,7 +368,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
         runners["mlx-lm"] = lambda prompt, p, n: _mlx_lm_events(
             (t, False) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n, sampler=make_sampler(p.temp))
         )
-    drafters = {PLAIN: None}
+    drafters, num_draft = {PLAIN: None}, {}
     for entry in args.drafters.split(","):
         entry = entry.strip()
         if entry in ("", "none") or f"mlx-spec {entry}" in runners:
@@ -377,7 +382,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
             return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k)
 
         runners[f"mlx-spec {entry}"] = spec_run
-        drafters[f"mlx-spec {entry}"] = drafter
+        drafters[f"mlx-spec {entry}"], num_draft[f"mlx-spec {entry}"] = drafter, options["num-draft"]
         if isinstance(drafter, DraftModel) and not sharded and \
                 not any(name.startswith("mlx-lm ") for name in runners):
             ref_draft = cast_floating(mlx_lm_load(str(drafter.path))[0], compute_dtype())
@@ -391,7 +396,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
                 )
 
             runners[f"mlx-lm {spec}"] = ref_spec_run
-    return runners, drafters
+    return runners, drafters, num_draft
 
 
 def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> dict | None:
@@ -491,7 +496,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         if overflow:
             raise UserError(f"--prompts: prompt {i + 1} of {len(prompts)}: {overflow}" if args.prompts
                             else f"--prompt: {overflow}")
-    runners, drafters = make_runners(args, target)
+    runners, drafters, num_draft = make_runners(args, target)
 
     rows: list[Row] = []
     for temp in args.temps:
@@ -523,8 +528,8 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                         row.identical &= tokens == plain_tokens
         rows += table.values()
     # Batches decode up to 64 tokens a sequence: enough for the policy to settle, a batch of 16 in seconds.
-    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, max(6, args.repeats))
-                   if sizes else [])
+    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, max(6, args.repeats),
+                                       num_draft=num_draft) if sizes else [])
     weights = tree_flatten(model.parameters())
     step_bytes = read_per_step(model)
     bandwidth, bound = bandwidth_bound(step_bytes)

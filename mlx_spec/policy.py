@@ -28,9 +28,9 @@ each plain round tells the odds that its guess would have been accepted
 drafter finds nothing, a forward that turns compute-bound), so there the
 measured throughput of whole rounds decides whether to draft at all: it first
 times plain rounds and one-token drafts; while drafting (the model says how
-far), a short run of plain rounds now and then keeps the comparison fresh; while
-plain, a short run of drafting rounds now and then (further apart each time it
-loses) looks again.
+far, up to a token past the longest draft it has measured), a short run of
+plain rounds now and then keeps the comparison fresh; while plain, a short run
+of drafting rounds now and then (further apart each time it loses) looks again.
 """
 
 from __future__ import annotations
@@ -176,6 +176,11 @@ class Measured:
 
     def samples(self, S: int) -> int:
         return len(self.times.get(S, ()))
+
+    def longest(self) -> int:
+        """The longest K measured `TRUSTED` rounds or more (0: none)."""
+        return max((s - 1 for s in {*self.times, *self.ratios}
+                    if len(self.ratios.get(s) or self.times[s]) >= self.TRUSTED), default=0)
 
     def like(self) -> Measured:
         """What another batch size starts from: this one's costs of K over a plain round, and whether drafting
@@ -348,7 +353,11 @@ class Policy:
         if m.best is not None and m.best[0] == (keys, [id(d) for d in drafters]):
             return m.best[1]
         times = self._times_per_token(m, keys, drafters)
-        best = min(range(self.most + 1), key=times.__getitem__)
+        # A batch climbs: at most one token past the longest K measured. A longer one is guessed cheap until
+        # measured, and a batch's first rounds at a new length compile it and catch its drafter up: runs of
+        # them would read as drafting's cost, and stop it.
+        top = self.most if len(keys) == 1 else min(self.most, m.longest() + 1)
+        best = min(range(top + 1), key=times.__getitem__)
         margin = self.GUESSING_MARGIN if any(d is not None and d.guesses for d in drafters) else self.MARGIN
         best = best if times[best] * margin < times[0] else 0
         m.best = ((list(keys), [id(d) for d in drafters]), best)
@@ -392,8 +401,8 @@ class Policy:
         m = self.measured(len(keys))
         if m.samples(1) < 2:  # plain rounds first, what drafting is weighed against
             return 0
-        if m.mode == "explore":  # then one-token drafts, two measured
-            if m.samples(2) < 2:
+        if m.mode == "explore":  # then one-token drafts, as many measured as stand for their cost
+            if m.samples(2) < Measured.TRUSTED:
                 return min(1, self.most)
             m.mode, m.every = ("drafting", Measured.RUN_FIRST) if self._best(m, keys, drafters) else \
                 ("plain", self.PROBE_FIRST)

@@ -57,3 +57,16 @@ def test_decoders_taking_turns_each_run_to_their_end_and_are_timed_apart(checkpo
     # the target drafting for itself: every draft is kept, 3 tokens a round (the last round drafts 1)
     assert (spec_tokens, spec_rounds, spec_drafted) == (20, 7, 13) and spec_seconds > 0
     assert not plain.rows and not spec.rows
+
+
+def test_batched_rows_draft_the_k_a_method_fixes(checkpoints):
+    """`:num-draft=K` holds in the batched rows as in the one-sequence rows: the target drafting for
+    itself keeps every draft, so a sequence of 8 tokens takes rounds of K = 2, 2 and (its room) 1 (the
+    policy, left to choose, would first decode plainly: what drafting is weighed against)."""
+    from mlx_spec.drafters.draft_model import DraftModel
+
+    model = load_model(str(checkpoints["qwen3"]))[0]
+    itself = DraftModel(model, model.args.vocab_size)
+    rows = bench.measure_concurrency(model, {"fixed": itself}, [[1, 2, 3], [4, 5, 6, 7]], [2], 8,
+                                     [0.0], batches=2, sequences=2, num_draft={"fixed": 2})
+    assert next(r["mean_k"] for r in rows if r["name"] == "fixed") == 5 / 3

@@ -145,6 +145,16 @@ def test_a_batch_size_met_first_starts_from_the_nearest_measured():
     assert three[:3] == [0, 0, 0] and min(three[3:]) > 1  # (the first plain round of a shape compiles)
 
 
+def test_a_batch_climbs_one_token_past_the_longest_draft_it_has_measured():
+    # Every draft kept, a round of K costing 1 + 0.3 K plain steps: K = 8 pays most, but a batch's first
+    # rounds at a length compile it and catch its drafters up; it gets there a token at a time, each
+    # length measured before the next is tried, not by jumping to 8 from two one-token rounds.
+    policy, d = Policy(8), draft_model()
+    chosen = simulate_batch(policy, d, 4, 80, lambda k: 1.0 + 0.3 * k)
+    assert all(k <= max(chosen[:i], default=0) + 1 for i, k in enumerate(chosen))
+    assert chosen[-1] == 8
+
+
 def test_probes_that_keep_losing_stay_far_apart_in_the_next_sequences():
     # A drafter nothing of which is accepted at this temperature (a chat's turns, a benchmark's prompts):
     # each sequence would probe at 4, 8, 16... rounds again; it goes on as far apart as the last left off.
