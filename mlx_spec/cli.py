@@ -440,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
                    help="also measure B sequences decoded together, e.g. 1,4,16 (throughput at each temperature, each "
-                        "method by turns with plain decoding; plain decoding also as a method is: the run's noise)")
+                        "method by turns with plain decoding; plain decoding also as a method is: the run's noise; a method's "
+                        "num-draft fixes its K there too)")
     b.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw acceptance by position and tokens/s per method (needs matplotlib)")
     distributed.add_arguments(b)

@@ -21,7 +21,9 @@ time per token wins; K = 0 is plain decoding.
 One row starts optimistic (K at its most) and follows the model. After a few
 plain rounds it looks again: what it knew has faded toward its drafter's pool,
 so the model may draft again; else it probes (further apart while the probes
-lose), and an accepted probe drafts one more round, the one that is measured. A
+lose, and the more a probe loses the further: their cost stays a small share of
+plain decoding's), and an accepted probe drafts one more round, the one that is
+measured. A
 drafter that guesses on the host (prompt lookup, suffix decoding) needs no probe:
 each plain round tells the odds that its guess would have been accepted
 (`observe`). A batch is where the model is least reliable (padding, rows whose
@@ -135,6 +137,10 @@ class Measured:
     look: tuple | None = None  # one row: (K, probe?) of the round that looks again, as the round before found
     probing: bool = False  # one row: the round now recorded is a probe
     kept: bool = False  # one row: the last probe was accepted, so the next round drafts too (and is measured)
+    earned: bool = False  # one row: the round now recorded is the one a kept probe earned
+    # One row: what a probe loses, in plain steps (its round's time over a plain round's, less its tokens; with
+    # the round a kept probe earns): a drafter whose catching up is dear probes further apart.
+    probe_loss: float | None = None
     # Whether a costly drafter's last round was plain, or a row joined: the next drafting round is a switch
     # (the drafter catches up on what it missed, a prompt or plain rounds, and pushes the target's weights
     # out of the caches; the queue of plain rounds is broken), not what drafting goes on costing: its times
@@ -197,6 +203,9 @@ class Policy:
     whole rounds at this batch size."""
 
     PROBE_EVERY, PROBE_EVERY_LAST = 4, 64  # one row: plain rounds between two probes, doubling
+    # ... and further, until what probes lose is at most this share of plain decoding's time (a tree, or a
+    # drafter catching up on many rounds of features, may lose several plain steps a probe), up to:
+    PROBE_SHARE, PROBE_EVERY_MOST = 0.02, 512
     PROBE_K = 2
     RUN = 3  # a batch: rounds in a run of the other kind
     MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs, at most
@@ -245,7 +254,8 @@ class Policy:
         for B, m in policy.by_size.items():  # the rates of whole rounds go on, at half weight
             policy.by_size[B] = Measured(m.times, m.ratios, m.seen, {d: t / 2 for d, t in m.tokens.items()},
                                          {d: t / 2 for d, t in m.seconds.items()},
-                                         every=m.every if B == 1 else 0)  # probes as far apart as they were
+                                         every=m.every if B == 1 else 0,  # probes as far apart as they were
+                                         probe_loss=m.probe_loss)
         return policy
 
     def measured(self, B: int) -> Measured:
@@ -376,14 +386,15 @@ class Policy:
                 m.every, m.kept = 0, False
                 return best
             if m.kept:  # a probe's round is a switch, never measured: an accepted one goes on a round (probes
-                m.kept = False  # stay as far apart: what the model weighs against is the cost, measured now)
-                return min(self.PROBE_K, self.most)
+                m.kept, m.earned = False, True  # stay as far apart: what the model weighs against is the cost,
+                return min(self.PROBE_K, self.most)  # measured now)
         m.plain_rounds += 1
         if m.plain_rounds < (m.every or self.PROBE_EVERY):
             return 0
         (k, m.probing), m.look = (m.look or self._look(m, keys, drafters)), None
         if m.probing:  # further apart while they lose
-            m.every = min(2 * (m.every or self.PROBE_EVERY), self.PROBE_EVERY_LAST)
+            last = min(max(self.PROBE_EVERY_LAST, (m.probe_loss or 0.0) / self.PROBE_SHARE), self.PROBE_EVERY_MOST)
+            m.every = min(2 * (m.every or self.PROBE_EVERY), int(last))
         m.plain_rounds = 0 if k else 1  # (the model was just asked)
         return k
 
@@ -425,6 +436,9 @@ class Policy:
     def _settle(self, m: Measured) -> None:
         """After a run of the other kind: switch where it gave clearly more tokens a second."""
         drafting, plain = m.rate(True), m.rate(False)
+        if not (drafting and plain):  # a batch size just met, its shapes' first rounds (compiling) not counted:
+            m.since = 0  # nothing to compare yet, the other kind goes on as long again
+            return
         if m.mode == "drafting":
             m.mode, m.every = ("plain", self.PROBE_FIRST) if drafting * self.MARGIN < plain else \
                 ("drafting", min(2 * m.every, self.MEASURE_EVERY))  # (soon after it started, then less often)
@@ -449,7 +463,13 @@ class Policy:
         m.seen.add(S)
         drafting = any(ks)
         if len(keys) == 1:
-            m.kept, m.probing = m.probing and accepted[0] > 0, False
+            if (m.probing or m.earned) and m.times.get(1):  # a probe's loss, the round it earned added
+                loss = seconds / statistics.median(m.times[1]) - tokens
+                if m.probe_loss is None:
+                    m.probe_loss = loss
+                else:
+                    m.probe_loss = (DECAY * m.probe_loss if m.probing else m.probe_loss) + (1 - DECAY) * loss
+            m.kept, m.probing, m.earned = m.probing and accepted[0] > 0, False, False
         switch = drafting and m.cold
         m.cold = m.cold and not drafting
         if not (first or switch):

@@ -125,12 +125,14 @@ def test_the_round_after_a_row_joins_is_not_what_drafting_costs():
     assert max(m.times[k + 1]) < 50.0
 
 
-def simulate_batch(policy: Policy, drafter, B: int, rounds: int, seconds) -> list[int]:
-    """`rounds` rounds of B rows whose drafts are all kept, a round of K costing `seconds(K)`."""
+def simulate_batch(policy: Policy, drafter, B: int, rounds: int, seconds, compiling: bool = False) -> list[int]:
+    """`rounds` rounds of B rows whose drafts are all kept, a round of K costing `seconds(K)`; `compiling`:
+    every drafting round's shape is new (the first rounds of a batch size, few of each length)."""
     keys, chosen = list(range(B)), []
-    for _ in range(rounds):
+    for i in range(rounds):
         ks = policy.choose(keys, [drafter] * B, [100] * B)
-        policy.record(keys, ks, ks, max(ks) + 1, sum(k + 1 for k in ks), seconds(max(ks)))
+        S = 1000 + i if compiling and any(ks) else max(ks) + 1
+        policy.record(keys, ks, ks, S, sum(k + 1 for k in ks), seconds(max(ks)))
         chosen.append(max(ks))
     return chosen
 
@@ -143,6 +145,16 @@ def test_a_batch_size_met_first_starts_from_the_nearest_measured():
     assert policy.measured(4).mode == "drafting" and four[-1] > 1
     three = simulate_batch(policy, d, 3, 5, lambda k: 0.8 + 0.15 * k)
     assert three[:3] == [0, 0, 0] and min(three[3:]) > 1  # (the first plain round of a shape compiles)
+
+
+def test_a_batch_size_met_while_drafting_drafts_on_until_its_drafting_is_measured():
+    # Four rows draft; one finishes. The three's first drafting rounds each compile a shape, so none is
+    # counted: their first run of plain rounds finds nothing of drafting to compare with, and must not
+    # read that as drafting losing (it would decode plainly for hundreds of rounds).
+    policy, d = Policy(4), draft_model()
+    simulate_batch(policy, d, 4, 40, lambda k: 1.0 + 0.2 * k)
+    three = simulate_batch(policy, d, 3, 30, lambda k: 0.8 + 0.15 * k, compiling=True)
+    assert sum(k > 0 for k in three[10:]) >= 10
 
 
 def test_a_batch_climbs_one_token_past_the_longest_draft_it_has_measured():
@@ -206,3 +218,18 @@ def test_each_drafter_drafts_up_to_its_own_most(checkpoints):
     for drafter, most in ((PromptLookup(), 16), (draft_model(), 8), (DFlash(net, target), 11)):
         assert max(simulate(Policy(), drafter, 30, lambda k: k, lambda k, before: 1.0 + 0.01 * k)) == most
         assert max(simulate(Policy(4), drafter, 30, lambda k: k, lambda k, before: 1.0 + 0.01 * k)) == 4
+
+
+def test_probes_that_lose_much_are_further_apart():
+    # Nothing is accepted at this temperature. Where a probe's round costs 1.3 plain steps, probes settle
+    # 64 rounds apart; where one costs 9 (a wide tree, a drafter catching up on every token it missed),
+    # 64 apart they would lose an eighth of plain decoding's time: they go further apart, so that they
+    # lose at most a few percent.
+    def share_lost(probe_cost: float) -> float:
+        policy, d = Policy(8), draft_model()
+        chosen = simulate(policy, d, 3000, lambda k: 0, lambda k, before: probe_cost if k else 1.0)
+        late = chosen[1000:]
+        return sum(probe_cost - 1 for k in late if k) / len(late)
+
+    assert share_lost(1.3) < 0.01
+    assert share_lost(9.0) <= Policy.PROBE_SHARE * 1.25
