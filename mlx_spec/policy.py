@@ -415,8 +415,11 @@ class Policy:
         if m.mode == "explore":  # then one-token drafts, as many measured as stand for their cost
             if m.samples(2) < Measured.TRUSTED:
                 return min(1, self.most)
-            m.mode, m.every = ("drafting", Measured.RUN_FIRST) if self._best(m, keys, drafters) else \
-                ("plain", self.PROBE_FIRST)
+            # Drafting starts where the model says it pays and the one-token drafts measured clearly more
+            # throughput than plain rounds, as it starts again: near break-even a batch loses what its
+            # rates do not see (its last rounds, once the rows that finished early have left the rest).
+            pays = self._best(m, keys, drafters) and m.rate(True) > m.rate(False) * self.RETURN_MARGIN
+            m.mode, m.every = ("drafting", Measured.RUN_FIRST) if pays else ("plain", self.PROBE_FIRST)
         m.since += 1
         if m.run:  # a run of the other kind goes on
             m.run -= 1

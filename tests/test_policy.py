@@ -157,6 +157,15 @@ def test_a_batch_size_met_while_drafting_drafts_on_until_its_drafting_is_measure
     assert sum(k > 0 for k in three[10:]) >= 10
 
 
+def test_a_batch_where_one_token_drafts_barely_pay_decodes_plainly():
+    # Every draft kept, a round of K costing 1 + 0.85 K plain steps: one-token drafts give 1.08x plain
+    # decoding's throughput (longer ones a little more, by the model). Within what a batch's rates miss (its
+    # last rounds, a machine's noise), a batch does not start drafting.
+    policy, d = Policy(8), draft_model()
+    chosen = simulate_batch(policy, d, 4, 200, lambda k: 1.0 + 0.85 * k)
+    assert policy.measured(4).mode == "plain" and not any(chosen[20:])
+
+
 def test_a_batch_climbs_one_token_past_the_longest_draft_it_has_measured():
     # Every draft kept, a round of K costing 1 + 0.3 K plain steps: K = 8 pays most, but a batch's first
     # rounds at a length compile it and catch its drafters up; it gets there a token at a time, each
