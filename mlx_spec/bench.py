@@ -141,12 +141,12 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     far this run can tell a method from plain decoding. `num_draft` fixes a
     method's K (`:num-draft=K`, as in its one-sequence rows): what a K costs at
     this batch size, beside what the policy makes of it."""
-    out = []
+    out, fixed = [], num_draft or {}
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
         plain = Decoder(model)
-        fixed = num_draft or {}
-        runs = {name: (Decoder(model, num_draft=fixed.get(name)), drafter) for name, drafter in {CONTROL: None, **drafters}.items()
+        runs = {name: (Decoder(model, num_draft=fixed.get(name)), drafter)
+                for name, drafter in {CONTROL: None, **drafters}.items()
                 if name != PLAIN and (drafter is None or not drafter.one_row or B == 1)}
         totals = {name: [0, 0] for name in runs}  # rounds, drafted
         tps: dict[str, list[float]] = {name: [] for name in (PLAIN, *runs)}

@@ -23,10 +23,9 @@ plain rounds it looks again: what it knew has faded toward its drafter's pool,
 so the model may draft again; else it probes (further apart while the probes
 lose, and the more a probe loses the further: their cost stays a small share of
 plain decoding's), and an accepted probe drafts one more round, the one that is
-measured. A
-drafter that guesses on the host (prompt lookup, suffix decoding) needs no probe:
-each plain round tells the odds that its guess would have been accepted
-(`observe`). A batch is where the model is least reliable (padding, rows whose
+measured. A drafter that guesses on the host (prompt lookup, suffix decoding)
+needs no probe: each plain round tells the odds that its guess would have been
+accepted (`observe`). A batch is where the model is least reliable (padding, rows whose
 drafter finds nothing, a forward that turns compute-bound), so there the
 measured throughput of whole rounds decides whether to draft at all: it first
 times plain rounds and one-token drafts; while drafting (the model says how
@@ -385,9 +384,11 @@ class Policy:
             if best:
                 m.every, m.kept = 0, False
                 return best
-            if m.kept:  # a probe's round is a switch, never measured: an accepted one goes on a round (probes
-                m.kept, m.earned = False, True  # stay as far apart: what the model weighs against is the cost,
-                return min(self.PROBE_K, self.most)  # measured now)
+            # A probe's round is a switch, never measured: an accepted one goes on a round (probes stay as far
+            # apart: what the model weighs against is the cost, measured now).
+            if m.kept:
+                m.kept, m.earned = False, True
+                return min(self.PROBE_K, self.most)
         m.plain_rounds += 1
         if m.plain_rounds < (m.every or self.PROBE_EVERY):
             return 0
