@@ -55,6 +55,20 @@ def test_greedy_is_token_identical_to_plain(target, case):
         assert tokens_of(events) == plain, (case, prompt, max_tokens, k)
 
 
+@pytest.mark.parametrize("version,budget", [(1, None), (3, None), (3, 10)])
+def test_a_compiled_drafter_drafts_what_the_eager_one_does(target, version, budget):
+    # A drafter built from a checkpoint compiles its net (what runs before and after its attention, traced
+    # per shape): its drafts, chain or tree, are the same tokens.
+    eager, fast = random_net(target, version), random_net(target, version)
+    fast.compile()
+    for prompt in PROMPTS:
+        drafted = [[e.drafted for e in speculative_steps(target, prompt, GREEDY, 20,
+                                                         Eagle(net, target, budget=budget, topk=3, depth=4),
+                                                         num_draft=4)]
+                   for net in (eager, fast)]
+        assert drafted[0] == drafted[1]
+
+
 def test_draft_extend_keeps_the_drafters_cache_exact(target):
     """After any run, the drafter's committed slots equal a fresh pass over the
     same tokens with the target's real features."""

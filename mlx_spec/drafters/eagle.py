@@ -40,10 +40,25 @@ from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, commo
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
-from mlx_spec.models.llama import MLP, Attention, Model
+from mlx_spec.models.llama import COMPILED_MAX_TOKENS, MLP, Attention, Model
 from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams
+
+
+class _CompiledNet:
+    """`EagleNet.compile`'s traces: the slots' mix and projections up to the attention, and what follows it."""
+
+    def __init__(self, net: "EagleNet"):
+        attn = net.layer().self_attn
+
+        def pre(feature, embedding, offset, positions):
+            residual, attn_in = net.mix(feature, embedding)
+            return (residual, *attn.qkv(attn_in, offset, positions))
+
+        self.pre_offset = mx.compile(lambda feature, embedding, offset: pre(feature, embedding, offset, None))
+        self.pre_positions = mx.compile(lambda feature, embedding, positions: pre(feature, embedding, 0, positions))
+        self.finish = mx.compile(net.finish)
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -137,9 +152,24 @@ class EagleNet(nn.Module):
     ) -> mx.array:
         """One forward over S slots -> their output states `[B, S, H]`."""
         attn = self.layer().self_attn
-        residual, attn_in = self.mix(feature, embedding)
-        q, k, v = attn.qkv(attn_in, cache.offset if cache is not None else 0, positions)
-        return self.finish(residual, attn.attend(q, k, v, mask, cache))
+        offset = cache.offset if cache is not None else 0
+        fast = getattr(self, "_compiled", None)
+        if fast is None or feature.shape[1] > COMPILED_MAX_TOKENS:
+            residual, attn_in = self.mix(feature, embedding)
+            q, k, v = attn.qkv(attn_in, offset, positions)
+            return self.finish(residual, attn.attend(q, k, v, mask, cache))
+        if positions is None:
+            residual, q, k, v = fast.pre_offset(feature, embedding, mx.array(offset))
+        else:
+            residual, q, k, v = fast.pre_positions(feature, embedding, positions)
+        return fast.finish(residual, attn.attend(q, k, v, mask, cache))
+
+    def compile(self) -> None:
+        """Faster drafting (as `llama.DecoderLayer.compile`): what runs before and after the attention is
+        traced once per shape, the cache write and attention between them stay eager. A drafting step is
+        a few small matmuls among many elementwise operations, each a dispatch of its own uncompiled.
+        Weights must not change afterwards (a drafter being trained is not compiled)."""
+        self._compiled = _CompiledNet(self)
 
     def logits(self, x: mx.array, target: Model) -> mx.array:
         """Output states -> logits over the target's vocabulary `[..., V]`."""
@@ -374,6 +404,7 @@ def build(version: int, target: Model, o: Options) -> Eagle:
     if net.version != version:
         raise UserError(f"--drafter {o.spec}: an EAGLE-{net.version} drafter; use eagle{'3' if net.version == 3 else ''}=")
     check_eagle_fits(net, target, f"--drafter {o.spec}")
+    net.compile()
     return Eagle(net, target, o.tree_budget, o.topk, o.depth)
 
 
