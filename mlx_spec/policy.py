@@ -18,12 +18,14 @@ caches): not what drafting goes on costing, so not learned from (but a batch's
 rates, which decide whether to draft at all, count it). The K with the least
 time per token wins; K = 0 is plain decoding.
 
-One row starts optimistic (K at its most) and follows the model. After a few
-plain rounds it looks again: what it knew has faded toward its drafter's pool,
-so the model may draft again; else it probes (further apart while the probes
-lose, and the more a probe loses the further: their cost stays a small share of
-plain decoding's), and an accepted probe drafts one more round, the one that is
-measured. A drafter that guesses on the host (prompt lookup, suffix decoding)
+One row starts optimistic (K at its most) and follows the model; once drafting,
+it goes on while the model weighs drafting about even with plain decoding (a
+stop and a start cost a switch). After a few plain rounds it looks again: what
+it knew has faded toward its drafter's pool, so the model may draft again; else
+it probes (further apart while the probes lose, and the more a probe loses the
+further: their cost stays a small share of plain decoding's), and an accepted
+probe drafts one more round, the one that is measured. Only drafting that gained
+brings the looks close again: a lucky probe followed by rounds that lost does not. A drafter that guesses on the host (prompt lookup, suffix decoding)
 needs no probe: each plain round tells the odds that its guess would have been
 accepted (`observe`). A batch is where the model is least reliable (padding, rows whose
 drafter finds nothing, a forward that turns compute-bound), so there the
@@ -54,10 +56,13 @@ def expected_tokens(alpha: float, k: float) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-DECAY = 0.8  # weight of the past in the running estimates
+DECAY = 0.9  # weight of the past in the running estimates
 # The same in a drafter's pool: what its rows found over many rounds, what each row is weighed against.
 POOL_DECAY = 0.97
 RECENT = 8  # round times kept per K (their median is the estimate: spikes are common)
+# One row's plain rounds: what every drafting round is weighed against, and not measured again while it drafts.
+# A slow spell of the machine's just before a long drafting run would make every K look cheap for all of it.
+RECENT_PLAIN = 32
 
 
 @dataclass
@@ -137,6 +142,12 @@ class Measured:
     probing: bool = False  # one row: the round now recorded is a probe
     kept: bool = False  # one row: the last probe was accepted, so the next round drafts too (and is measured)
     earned: bool = False  # one row: the round now recorded is the one a kept probe earned
+    # One row: what the drafting rounds since the last plain one gained, in plain steps (their tokens less their
+    # time over a plain round's), and whether a probe began them. Where a probe's run lost (a lucky probe, then
+    # rounds that did not pay), probes stay as far apart; else, once plain again, the row looks again soon.
+    gain: float = 0.0
+    probed: bool = False
+    drafted: int = 0  # one row: drafting rounds since the last plain one
     # One row: what a probe loses, in plain steps (its round's time over a plain round's, less its tokens; with
     # the round a kept probe earns): a drafter whose catching up is dear probes further apart.
     probe_loss: float | None = None
@@ -215,6 +226,9 @@ class Policy:
     # and starts drafting again only for this much (near break-even, this machine's noise would switch it
     # back and forth: each switch costs a drafter's catching up)
     RETURN_MARGIN = 1.1
+    # One row, drafting: it goes on while the model weighs drafting within this of plain decoding (its own
+    # acceptance, a few rounds' worth, dips by chance, and each return to drafting costs a switch).
+    STAY_MARGIN = 0.97
     OBSERVED_DECAY = 0.95  # weight of the past in a row's acceptance, for the odds plain rounds tell
     # A drafter that often finds nothing to draft (its rounds then verify one token, whatever K) has
     # verification times that mix two costs: its model must promise this much before it drafts.
@@ -368,6 +382,8 @@ class Policy:
         top = self.most if len(keys) == 1 else min(self.most, m.longest() + 1)
         best = min(range(top + 1), key=times.__getitem__)
         margin = self.GUESSING_MARGIN if any(d is not None and d.guesses for d in drafters) else self.MARGIN
+        if len(keys) == 1 and not m.plain_rounds and not m.cold:
+            margin = self.STAY_MARGIN  # the row drafts now: stopping, then starting again, costs a switch
         best = best if times[best] * margin < times[0] else 0
         m.best = ((list(keys), [id(d) for d in drafters]), best)
         return best
@@ -382,18 +398,22 @@ class Policy:
         if not m.plain_rounds:
             best = self._best(m, keys, drafters)
             if best:
-                m.every, m.kept = 0, False
+                m.kept = False
                 return best
             # A probe's round is a switch, never measured: an accepted one goes on a round (probes stay as far
             # apart: what the model weighs against is the cost, measured now).
             if m.kept:
                 m.kept, m.earned = False, True
                 return min(self.PROBE_K, self.most)
+            if m.drafted and (m.gain > 0 or not m.probed):
+                m.every = 0
+            m.gain, m.probed, m.drafted = 0.0, False, 0
         m.plain_rounds += 1
         if m.plain_rounds < (m.every or self.PROBE_EVERY):
             return 0
         (k, m.probing), m.look = (m.look or self._look(m, keys, drafters)), None
         if m.probing:  # further apart while they lose
+            m.probed = True
             last = min(max(self.PROBE_EVERY_LAST, (m.probe_loss or 0.0) / self.PROBE_SHARE), self.PROBE_EVERY_MOST)
             m.every = min(2 * (m.every or self.PROBE_EVERY), int(last))
         m.plain_rounds = 0 if k else 1  # (the model was just asked)
@@ -467,8 +487,12 @@ class Policy:
         m.seen.add(S)
         drafting = any(ks)
         if len(keys) == 1:
-            if (m.probing or m.earned) and m.times.get(1):  # a probe's loss, the round it earned added
-                loss = seconds / statistics.median(m.times[1]) - tokens
+            steps = seconds / statistics.median(m.times[1]) if m.times.get(1) else None  # in plain rounds
+            m.drafted += drafting
+            if drafting and steps is not None and not first:
+                m.gain += tokens - steps
+            if (m.probing or m.earned) and steps is not None:  # a probe's loss, the round it earned added
+                loss = steps - tokens
                 if m.probe_loss is None:
                     m.probe_loss = loss
                 else:
@@ -481,7 +505,8 @@ class Policy:
             if drafting and m.times.get(1):
                 ratio = seconds / statistics.median(m.times[1])
                 m.ratios.setdefault(chosen, deque(maxlen=RECENT)).append(ratio)
-            m.times.setdefault(chosen, deque(maxlen=RECENT)).append(seconds)
+            kept = RECENT_PLAIN if chosen == 1 and len(keys) == 1 else RECENT
+            m.times.setdefault(chosen, deque(maxlen=kept)).append(seconds)
         # A batch's rates weigh whether to draft at all: there a switch costs what it costs (every row's
         # drafter catching up; its prompts, for rows that joined), and drafting must pay for it too.
         if not first and (not switch or len(keys) > 1):

@@ -1,6 +1,8 @@
 """The decoding policy on its own, fed rounds as a decoder would feed them: what it learns from a round,
 and when a row drafts again."""
 
+import random
+
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.policy import Acceptance, Policy
@@ -25,6 +27,35 @@ def simulate(policy: Policy, drafter, rounds: int, accepted, seconds, key=0, rat
             rates.append((n + 1) / seconds(k, before))
         before = k
     return chosen
+
+
+def throughput(policy: Policy, drafter, rounds: int, accepted, seconds) -> float:
+    """Tokens a plain step over `rounds` rounds of one row (as `simulate`)."""
+    made, spent = [], []
+
+    def kept(k):
+        made.append(accepted(k))
+        return made[-1]
+
+    def cost(k, before):
+        spent.append(seconds(k, before))
+        return spent[-1]
+
+    simulate(policy, drafter, rounds, kept, cost)
+    return (rounds + sum(made)) / sum(spent)
+
+
+def kept_with(alpha: float, seed: int):
+    """`accepted(k)` where each draft is kept with probability alpha (its row's text, a temperature)."""
+    rng = random.Random(seed)
+
+    def accepted(k):
+        n = 0
+        while n < k and rng.random() < alpha:
+            n += 1
+        return n
+
+    return accepted
 
 
 def test_the_round_that_switches_to_drafting_is_not_what_drafting_costs():
@@ -72,7 +103,7 @@ def test_what_is_known_of_far_positions_fades_while_shorter_drafts_are_kept():
     for _ in range(6):
         row.update(4, 1)  # position 1 fails
     assert row.rates(2)[1] < 0.2
-    for _ in range(20):
+    for _ in range(60):
         row.update(1, 1)  # only position 0 is drafted now, and always kept
     assert row.rates(2)[1] > 0.8
 
@@ -242,3 +273,36 @@ def test_probes_that_lose_much_are_further_apart():
 
     assert share_lost(1.3) < 0.01
     assert share_lost(9.0) <= Policy.PROBE_SHARE * 1.25
+
+
+def test_a_row_drafts_on_through_unlucky_rounds_where_drafting_pays():
+    # Each draft is kept with probability 0.7; a round of K costs 1 + 0.5 K plain steps, one that drafts after
+    # plain rounds 4 (its drafter catching up). One or two drafts a round pay about 10%. A row that stopped at
+    # each unlucky round (its own acceptance, a few rounds' worth, dips by chance) would pay a switch each
+    # time it started again: with a shorter memory it loses to plain decoding, and stopping wherever the
+    # model weighs drafting a little below plain gives up half of what is left.
+    rate = throughput(Policy(8), draft_model(), 4000, kept_with(0.7, 0),
+                      lambda k, before: 1.0 if not k else 4.0 if not before else 1.0 + 0.5 * k)
+    assert rate > 1.055
+
+
+def test_a_lucky_probe_where_drafting_loses_does_not_bring_the_probes_closer():
+    # Each draft is kept with probability 0.5, a round of K costs 1.8 + 0.3 K (4 after plain rounds): drafting
+    # loses. A probe that is accepted now and then starts a few rounds of drafting that lose too; those do not
+    # bring the next probes back to 4 rounds apart.
+    chosen = simulate(Policy(8), draft_model(), 4000, kept_with(0.5, 1),
+                      lambda k, before: 1.0 if not k else 4.0 if not before else 1.8 + 0.3 * k)
+    assert sum(k > 0 for k in chosen[1000:]) <= 50
+
+
+def test_a_slow_spell_just_before_drafting_does_not_make_drafting_look_cheap():
+    # A row measured plain rounds at 1 for long, then the machine slowed for 10 rounds; then it drafts, at 2.2
+    # a round, measuring no plain round while it does. Weighed against the slow spell alone, a drafting round
+    # would cost 1.1 plain rounds for as long as it drafts.
+    policy = Policy(8)
+    for seconds in [1.0] * 40 + [2.0] * 10:
+        policy.record([0], [0], [0], 1, 1, seconds)
+    for _ in range(6):
+        policy.record([0], [1], [1], 2, 2, 2.2)
+    m = policy.measured(1)
+    assert m.verify_time(2) / m.verify_time(1) > 2.0
