@@ -25,8 +25,9 @@ it knew has faded toward its drafter's pool, so the model may draft again; else
 it probes (further apart while the probes lose, and the more a probe loses the
 further: their cost stays a small share of plain decoding's), and an accepted
 probe drafts one more round, the one that is measured. Only drafting that gained
-brings the looks close again: a lucky probe followed by rounds that lost does not. A drafter that guesses on the host (prompt lookup, suffix decoding)
-needs no probe: each plain round tells the odds that its guess would have been
+brings the looks close again: a lucky probe followed by rounds that lost does
+not. A drafter that guesses on the host (prompt lookup, suffix decoding) needs
+no probe: each plain round tells the odds that its guess would have been
 accepted (`observe`). A batch is where the model is least reliable (padding, rows whose
 drafter finds nothing, a forward that turns compute-bound), so there the
 measured throughput of whole rounds decides whether to draft at all: it first
@@ -486,8 +487,8 @@ class Policy:
         first = S not in m.seen  # a shape's first round also compiles: not a cost to learn from
         m.seen.add(S)
         drafting = any(ks)
+        steps = seconds / statistics.median(m.times[1]) if m.times.get(1) else None  # in plain rounds
         if len(keys) == 1:
-            steps = seconds / statistics.median(m.times[1]) if m.times.get(1) else None  # in plain rounds
             m.drafted += drafting
             if drafting and steps is not None and not first:
                 m.gain += tokens - steps
@@ -502,9 +503,8 @@ class Policy:
         m.cold = m.cold and not drafting
         if not (first or switch):
             chosen = max(ks) + 1
-            if drafting and m.times.get(1):
-                ratio = seconds / statistics.median(m.times[1])
-                m.ratios.setdefault(chosen, deque(maxlen=RECENT)).append(ratio)
+            if drafting and steps is not None:
+                m.ratios.setdefault(chosen, deque(maxlen=RECENT)).append(steps)
             kept = RECENT_PLAIN if chosen == 1 and len(keys) == 1 else RECENT
             m.times.setdefault(chosen, deque(maxlen=kept)).append(seconds)
         # A batch's rates weigh whether to draft at all: there a switch costs what it costs (every row's
