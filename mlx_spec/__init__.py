@@ -3,5 +3,6 @@
 from mlx_spec import _blas
 
 _blas.preload()  # must run before the first `import mlx.core`
+_blas.pin_threads()
 
 __version__ = "0.1.0"

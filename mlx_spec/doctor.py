@@ -55,6 +55,7 @@ def report() -> str:
         f"mlx       {mx.__version__}",
         f"backend   {name}",
         f"blas      {_blas.describe()}",
+        f"threads   {_blas.describe_threads()}",
         f"tree attn {tree_attention_path()}",
     ]
     lines += architectures()

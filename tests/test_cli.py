@@ -57,6 +57,37 @@ def test_doctor_reports_backend_and_blas():
         assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread
         off = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "1"})
         assert "reference BLAS" in off.stdout and "MLX_SPEC_NO_OPENBLAS" in off.stdout
+        assert "threads   left to the scheduler (disabled by MLX_SPEC_NO_OPENBLAS)" in off.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux")
+def test_openblas_helpers_get_cores_of_their_own():
+    """What the operating system says of the threads: OpenBLAS's helpers on cores no other thread of the
+    process may use, the compute thread MLX starts later too; with MLX_SPEC_NO_PIN set, nothing pinned."""
+    import os
+    import subprocess
+
+    code = ("import os, mlx_spec, mlx.core as mx; from mlx_spec import _blas; mx.eval(mx.ones(4) @ mx.ones(4)); "
+            "print(sorted(_blas.helpers)); print({int(t): sorted(os.sched_getaffinity(int(t))) "
+            "for t in os.listdir('/proc/self/task')})")
+    env = {**os.environ, "MLX_SPEC_NO_OPENBLAS": "", "MLX_SPEC_NO_PIN": ""}
+    cores = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    helpers, affinity = map(eval, out.stdout.splitlines())
+    if not helpers or len(cores) <= len(helpers):
+        pytest.skip(f"{len(helpers)} OpenBLAS helper threads on {len(cores)} cores: nothing to pin")
+    own = [core for h in helpers for core in affinity[h]]
+    assert len(own) == len(set(own)) == len(helpers)  # one core each
+    others = {core for tid, cs in affinity.items() if tid not in helpers for core in cs}
+    assert others and not others & set(own)
+    doctor = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": ""})
+    assert f"threads   OpenBLAS's helper threads on core{'s' if len(own) > 1 else ''} " in doctor.stdout
+
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "MLX_SPEC_NO_PIN": "1"}, capture_output=True,
+                         text=True, check=True)
+    helpers, affinity = map(eval, out.stdout.splitlines())
+    assert all(cs == cores for cs in affinity.values())
+    assert "left to the scheduler (MLX_SPEC_NO_PIN is set)" in run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "", "MLX_SPEC_NO_PIN": "1"}).stdout
 
 
 @pytest.fixture
