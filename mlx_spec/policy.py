@@ -257,9 +257,10 @@ class Policy:
         """One sequence's policy, as the drafter's earlier sequences at these sampling settings left it (a
         chat's turns, a benchmark's prompts): the costs and the drafter's pooled acceptance are known from
         the first round, so a drafter that does not pay is not tried at its most K again, and probes that
-        kept losing stay as far apart. What one sequence measured of itself (its rows' acceptance) starts
-        anew, and the rates of whole rounds count half: a prompt lookup that found nothing to copy in one
-        prompt may find much in the next."""
+        kept losing stay as far apart: the plain rounds since the last one count on (sequences shorter than
+        the probes' spacing would never see one). What one sequence measured of itself (its rows' acceptance)
+        starts anew, and the rates of whole rounds count half: a prompt lookup that found nothing to copy in
+        one prompt may find much in the next."""
         if drafter is None:
             return cls(k_max, fixed)
         policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
@@ -269,7 +270,7 @@ class Policy:
             policy.by_size[B] = Measured(m.times, m.ratios, m.seen, {d: t / 2 for d, t in m.tokens.items()},
                                          {d: t / 2 for d, t in m.seconds.items()},
                                          every=m.every if B == 1 else 0,  # probes as far apart as they were
-                                         probe_loss=m.probe_loss)
+                                         plain_rounds=m.plain_rounds if B == 1 else 0, probe_loss=m.probe_loss)
         return policy
 
     def measured(self, B: int) -> Measured:

@@ -221,6 +221,20 @@ def test_probes_that_keep_losing_stay_far_apart_in_the_next_sequences():
     assert probes[-1] <= 1 < probes[0]
 
 
+def test_sequences_shorter_than_the_probes_spacing_still_see_probes():
+    # A chat's turns of 32 rounds: nothing is accepted in the first ones, so probes go 64 rounds apart or
+    # more; then the text turns to what the drafter knows. The plain rounds since the last probe count on
+    # from one sequence to the next: a probe comes, is accepted, and the row drafts again.
+    from mlx_spec.sampling import SamplingParams
+
+    d, params = draft_model(), SamplingParams(temp=0.5)
+    for _ in range(12):
+        simulate(Policy.remembered(d, params, 8), d, 32, lambda k: 0, lambda k, before: 1.0 + 0.3 * k)
+    drafted = [sum(k > 0 for k in simulate(Policy.remembered(d, params, 8), d, 32, lambda k: k,
+                                           lambda k, before: 1.0 + 0.1 * k)) for _ in range(24)]
+    assert sum(drafted[-8:]) > 8 * 16  # drafting most rounds again
+
+
 def test_a_batch_weighs_what_its_switches_to_drafting_cost():
     # Four rows; a drafting round yields 2 tokens a row for 1.6 plain steps (1.25x plain decoding), but the
     # round that drafts after plain ones costs 30 (every row's drafter catching up). Drafting, with a run
