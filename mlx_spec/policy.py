@@ -60,6 +60,9 @@ def expected_tokens(alpha: float, k: float) -> float:
 DECAY = 0.9  # weight of the past in the running estimates
 # The same in a drafter's pool: what its rows found over many rounds, what each row is weighed against.
 POOL_DECAY = 0.97
+# The same for what a probe loses: a drafter that catches up on the rounds it missed loses more the
+# further apart its probes are, and the first probes, a few rounds apart, would long weigh too little.
+PROBE_DECAY = 0.6
 RECENT = 8  # round times kept per K (their median is the estimate: spikes are common)
 # One row's plain rounds: what every drafting round is weighed against, and not measured again while it drafts.
 # A slow spell of the machine's just before a long drafting run would make every K look cheap for all of it.
@@ -216,7 +219,7 @@ class Policy:
     PROBE_EVERY, PROBE_EVERY_LAST = 4, 64  # one row: plain rounds between two probes, doubling
     # ... and further, until what probes lose is at most this share of plain decoding's time (a tree, or a
     # drafter catching up on many rounds of features, may lose several plain steps a probe), up to:
-    PROBE_SHARE, PROBE_EVERY_MOST = 0.02, 512
+    PROBE_SHARE, PROBE_EVERY_MOST = 0.01, 1024
     PROBE_K = 2
     RUN = 3  # a batch: rounds in a run of the other kind
     MEASURE_EVERY = 32  # a batch, drafting: rounds between two plain runs, at most
@@ -498,7 +501,7 @@ class Policy:
                 if m.probe_loss is None:
                     m.probe_loss = loss
                 else:
-                    m.probe_loss = (DECAY * m.probe_loss if m.probing else m.probe_loss) + (1 - DECAY) * loss
+                    m.probe_loss = (PROBE_DECAY * m.probe_loss if m.probing else m.probe_loss) + (1 - PROBE_DECAY) * loss
             m.kept, m.probing, m.earned = m.probing and accepted[0] > 0, False, False
         switch = drafting and m.cold
         m.cold = m.cold and not drafting

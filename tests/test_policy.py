@@ -289,6 +289,23 @@ def test_probes_that_lose_much_are_further_apart():
     assert share_lost(9.0) <= Policy.PROBE_SHARE * 1.25
 
 
+def test_probes_of_a_drafter_that_catches_up_lose_little_however_far_apart():
+    # Nothing is accepted; a probe costs 2 plain steps and 0.005 of one more for each round since the last
+    # (an EAGLE drafter catching up on the target's features of every token it missed). Weighed by the first
+    # probes, a few rounds apart and cheap, later probes would lose 2% of plain decoding's time; weighed by
+    # the last few, under 1%.
+    policy, d = Policy(8), draft_model()
+    missed, lost, late = 0, 0.0, 0
+    for i in range(6000):
+        k = policy.choose([0], [d], [100])[0]
+        cost = 2.0 + 0.005 * missed if k else 1.0
+        policy.record([0], [k], [0], k + 1, 1, cost)
+        missed = 0 if k else missed + 1
+        if i >= 2000:
+            lost, late = lost + cost - 1.0, late + 1
+    assert lost / late <= 0.01
+
+
 def test_a_row_drafts_on_through_unlucky_rounds_where_drafting_pays():
     # Each draft is kept with probability 0.7; a round of K costs 1 + 0.5 K plain steps, one that drafts after
     # plain rounds 4 (its drafter catching up). One or two drafts a round pay about 10%. A row that stopped at
