@@ -81,7 +81,7 @@ def pin_threads() -> None:
     now and then: that helper's share of every product then waits, and decoding
     runs about 1.4x slower, in stretches of a fraction of a second, which no
     speed measurement can tell from a real cost (on 2 cores a plain decoding step
-    measured 3.2 or 4.2 ms by turns; pinned, 3.0 throughout). The Python and
+    measured 3.2 or 4.2 ms by turns; pinned, 3.2 throughout). The Python and
     compute threads take turns more than they overlap: they share what is left.
     Not under mlx.launch (its processes would pin their helpers to the same cores)."""
     global pinned, unpinned
