@@ -79,11 +79,12 @@ def pin_threads() -> None:
     Where there are no more cores than those, the scheduler puts the Python
     thread (building the next graph while the last one computes) beside a helper
     now and then: that helper's share of every product then waits, and decoding
-    runs about 1.4x slower, in stretches of a fraction of a second, which no
-    speed measurement can tell from a real cost (on 2 cores a plain decoding step
-    measured 3.2 or 4.2 ms by turns; pinned, 3.2 throughout). The Python and
-    compute threads take turns more than they overlap: they share what is left.
-    Not under mlx.launch (its processes would pin their helpers to the same cores)."""
+    runs about 1.3x slower, in stretches of a fraction of a second, which no
+    speed measurement can tell from a real cost (on 2 cores the demo's plain
+    decoding read 220-348 tokens/s over a bench's runs; pinned, 322-340). The
+    Python and compute threads take turns more than they overlap: they share
+    what is left. Not under mlx.launch (its processes would pin their helpers to
+    the same cores)."""
     global pinned, unpinned
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not helpers:

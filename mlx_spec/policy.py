@@ -501,7 +501,8 @@ class Policy:
                 if m.probe_loss is None:
                     m.probe_loss = loss
                 else:
-                    m.probe_loss = (PROBE_DECAY * m.probe_loss if m.probing else m.probe_loss) + (1 - PROBE_DECAY) * loss
+                    past = PROBE_DECAY * m.probe_loss if m.probing else m.probe_loss
+                    m.probe_loss = past + (1 - PROBE_DECAY) * loss
             m.kept, m.probing, m.earned = m.probing and accepted[0] > 0, False, False
         switch = drafting and m.cold
         m.cold = m.cold and not drafting

@@ -64,6 +64,7 @@ def test_doctor_reports_backend_and_blas():
 def test_openblas_helpers_get_cores_of_their_own():
     """What the operating system says of the threads: OpenBLAS's helpers on cores no other thread of the
     process may use, the compute thread MLX starts later too; with MLX_SPEC_NO_PIN set, nothing pinned."""
+    import ast
     import os
     import subprocess
 
@@ -73,7 +74,7 @@ def test_openblas_helpers_get_cores_of_their_own():
     env = {**os.environ, "MLX_SPEC_NO_OPENBLAS": "", "MLX_SPEC_NO_PIN": ""}
     cores = sorted(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    helpers, affinity = map(eval, out.stdout.splitlines())
+    helpers, affinity = map(ast.literal_eval, out.stdout.splitlines())
     if not helpers or len(cores) <= len(helpers):
         pytest.skip(f"{len(helpers)} OpenBLAS helper threads on {len(cores)} cores: nothing to pin")
     own = [core for h in helpers for core in affinity[h]]
@@ -85,9 +86,10 @@ def test_openblas_helpers_get_cores_of_their_own():
 
     out = subprocess.run([sys.executable, "-c", code], env={**env, "MLX_SPEC_NO_PIN": "1"}, capture_output=True,
                          text=True, check=True)
-    helpers, affinity = map(eval, out.stdout.splitlines())
+    helpers, affinity = map(ast.literal_eval, out.stdout.splitlines())
     assert all(cs == cores for cs in affinity.values())
-    assert "left to the scheduler (MLX_SPEC_NO_PIN is set)" in run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "", "MLX_SPEC_NO_PIN": "1"}).stdout
+    doctor = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "", "MLX_SPEC_NO_PIN": "1"})
+    assert "left to the scheduler (MLX_SPEC_NO_PIN is set)" in doctor.stdout
 
 
 @pytest.fixture
