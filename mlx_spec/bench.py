@@ -257,22 +257,25 @@ def _median(xs: list[float]) -> float:
 
 
 def time_run(events: Generator[StepEvent, None, None], n_prompt: int, max_tokens: int, metrics: Metrics | None = None):
-    """(prompt tok/s, decode tok/s, tokens) of one run; its events go into `metrics`."""
+    """(prompt tok/s, decode tok/s, tokens) of one run; its events go into `metrics`. Decoding is timed
+    from the first event on, and counts the tokens that came after it: a speculative first round brings
+    several at once (its drafter reading the prompt too), all of them at the time to the first token."""
     start = time.perf_counter()
     out: list[int] = []
-    first = start
+    first, before = start, 1
     for event in events:
         if metrics is not None:
             metrics.add(event)
         if not out:
-            first = time.perf_counter()  # the prompt pass produced the first token
+            first = time.perf_counter()  # the prompt pass produced the first token(s)
+            before = len(event.tokens)
         out.extend(event.tokens)
         if len(out) >= max_tokens:
             break
     end = time.perf_counter()
     settle(events)
     out = out[:max_tokens]
-    decode = (len(out) - 1) / (end - first) if len(out) > 1 else 0.0
+    decode = (len(out) - before) / (end - first) if len(out) > before else 0.0
     return n_prompt / (first - start), decode, out
 
 

@@ -257,7 +257,9 @@ class Decoder:
         r.context.extend(tokens)
         r.produced += len(tokens)
         if r.drafter is not None:
-            r.drafter.commit(r.slot, r.context, tuple(hidden[capture.index(i)][b : b + 1, at] for i in r.drafter.capture))
+            whole = isinstance(at, slice) and all(h.shape[0] == 1 for h in hidden)  # a batch of one's plain round
+            features = (hidden[capture.index(i)] for i in r.drafter.capture)
+            r.drafter.commit(r.slot, r.context, tuple(h if whole else h[b : b + 1, at] for h in features))
 
     def _capture(self) -> tuple[int, ...]:
         """The target's hidden states the rows' drafters read, each index once."""

@@ -30,6 +30,26 @@ def test_prediction_follows_the_seed_formula():
     assert "4.00 plain steps" in why
 
 
+def test_decoding_speed_counts_the_tokens_after_the_first_event(monkeypatch):
+    """A speculative first round brings several tokens at once: they came at the time to the first token,
+    not in the decoding timed after it (else a drafter would get them for nothing)."""
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bench, "settle", lambda events: None)
+
+    def events(first: int):  # the first event 2 s in (the prompt), then one a second
+        now[0] = 2.0
+        yield StepEvent([0] * first, [True] * (first - 1) + [False])
+        for _ in range(4):
+            now[0] += 1.0
+            yield StepEvent([0, 0], [True, False])
+
+    for first in (1, 4):
+        now[0] = 0.0
+        prompt_tps, decode_tps, tokens = bench.time_run(events(first), n_prompt=10, max_tokens=100)
+        assert len(tokens) == first + 8 and decode_tps == 8 / 4
+
+
 def test_the_bandwidth_bound_is_a_streaming_read_and_absent_in_cache():
     """The probe reads as decoding does (a matrix-vector product), from a matrix larger than the caches;
     weights that fit in the caches read faster than that, and get no bound."""

@@ -278,6 +278,16 @@ def rows_of(x: mx.array, n: list[int]) -> list[mx.array]:
     return [x[b : b + 1, :m] for b, m in enumerate(n)]
 
 
+def joined(pending: list[tuple[mx.array, ...]]) -> mx.array | None:
+    """A row's target features since it last drafted, `[1, n, taps * H]`, from each round's taps `[1, m, H]`
+    (None: none came). Joined when the drafter reads them, not as each round commits: a plain round then
+    adds no work of its own."""
+    if not pending:
+        return None
+    taps = [mx.concatenate(tap, axis=1) if len(tap) > 1 else tap[0] for tap in zip(*pending)]
+    return mx.concatenate(taps, axis=-1) if len(taps) > 1 else taps[0]
+
+
 def padded(parts: list[mx.array | None], width: int | None = None) -> tuple[mx.array, list[int]]:
     """Per-row `[1, n_b, ...]` arrays (None: nothing) right-padded with zeros to
     one `[B, n_max, ...]`, and each row's n."""

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, depth_tree, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, depth_tree, draw_rows, joined, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
@@ -219,10 +219,10 @@ class DFlash(RowStates):
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         self.context[b] = context
         if features:
-            self.pending[b].append(mx.concatenate(features, axis=-1))  # [1, n, K * H]
+            self.pending[b].append(features)  # taps [1, n, H]
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
-        ctx, new = (padded([mx.concatenate(p, axis=1) if p else None for p in self.pending])
+        ctx, new = (padded([joined(p) for p in self.pending])  # [R, n_max, taps * H]
                     if any(self.pending) else (None, None))
         self.pending = [[] for _ in self.pending]
         N = self.block_size

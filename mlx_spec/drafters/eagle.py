@@ -36,7 +36,7 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, joined, padded
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
@@ -267,8 +267,8 @@ class Eagle(RowStates):
         self.cache = self.caches = [KVCache(rows=0)]
 
     def new_row(self) -> dict:
-        # slots holding the target's real features; features [1, n, F] of the next slots; the output
-        # state [H] of the last committed slot; the tokens the slots were computed from
+        # slots holding the target's real features; each round's features (taps [1, n, H]) of the next
+        # slots; the output state [H] of the last committed slot; the tokens the slots were computed from
         return {"committed": 0, "pending": [], "ahead": None, "context": []}
 
     def _session(self) -> Eagle:
@@ -285,14 +285,15 @@ class Eagle(RowStates):
         self.context[b] = context
         self.cache[0].cut(b, self.committed[b])  # drop the slots drafting wrote ahead
         if features:
-            f = self.target.model.norm(features[0]) if self.net.version == 1 else mx.concatenate(features, axis=-1)
-            self.pending[b].append(f)
+            self.pending[b].append(features)
 
     def _extend(self, contexts: list[list[int]]) -> None:
         """Run each row's committed slots over the features that came since its last round (one forward)."""
         if not any(self.pending):
             return
-        f, n = padded([mx.concatenate(p, axis=1) if p else None for p in self.pending])  # [B, n_max, F]
+        f, n = padded([joined(p) for p in self.pending])  # [B, n_max, F]
+        if self.net.version == 1:
+            f = self.target.model.norm(f)
         S = f.shape[1]
         tokens = mx.array([c[start + 1 : start + 1 + m] + [0] * (S - m)  # the token after each slot's
                            for c, start, m in zip(contexts, self.committed, n)])

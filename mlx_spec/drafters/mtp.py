@@ -165,10 +165,11 @@ class MTP(RowStates):
         self.cache = self.caches = [KVCache(rows=0) for _ in net.layers]
 
     def new_row(self) -> dict:
-        # Per module: slots whose inputs are all committed; the committed input states [1, m, H] of its
-        # next slots, not yet run. Module 1's output at the last committed slot [1, 1, H].
+        # Per module: slots whose inputs are all committed; the committed input states of its next slots,
+        # not yet run, as they came ([1, m, H] each, joined when read). Module 1's output at the last
+        # committed slot [1, 1, H].
         D = len(self.net.layers)
-        return {"committed": [0] * D, "inputs": [None] * D, "ahead": None}
+        return {"committed": [0] * D, "inputs": [[] for _ in range(D)], "ahead": None}
 
     def _session(self) -> MTP:
         return MTP(self.net, self.target)
@@ -186,8 +187,15 @@ class MTP(RowStates):
             self._push(b, 0, self.target.model.norm(features[0]))
 
     def _push(self, b: int, k: int, states: mx.array) -> None:
-        held = self.inputs[b][k]
-        self.inputs[b][k] = states if held is None else mx.concatenate([held, states], axis=1)
+        self.inputs[b][k].append(states)
+
+    def _held(self, b: int, k: int) -> mx.array | None:
+        """Module k's committed inputs `[1, m, H]` (None: none), joined once however many rounds they came in
+        (joined as each came, a long run of plain rounds would copy them over and over)."""
+        parts = self.inputs[b][k]
+        if len(parts) > 1:
+            parts[:] = [mx.concatenate(parts, axis=1)]
+        return parts[0] if parts else None
 
     def _run(self, k: int, hidden: list[mx.array | None], tokens: list[mx.array | None]) -> list[mx.array | None]:
         """Module k over each row's slots: states `[1, m, H]` and their next tokens `[m]`
@@ -209,7 +217,7 @@ class MTP(RowStates):
         for k in range(len(self.net.layers)):
             hidden, tokens, counts = [], [], []
             for b, context in enumerate(contexts):
-                h, start = self.inputs[b][k], self.committed[b][k]
+                h, start = self._held(b, k), self.committed[b][k]
                 m = 0 if h is None else min(h.shape[1], len(context) - 1 - k - start)
                 counts.append(max(m, 0))
                 hidden.append(h[:, :m] if m > 0 else None)
@@ -218,8 +226,8 @@ class MTP(RowStates):
             for b, (x, m) in enumerate(zip(outputs, counts)):
                 if x is None:
                     continue
-                h = self.inputs[b][k]
-                self.inputs[b][k] = h[:, m:] if m < h.shape[1] else None
+                h = self._held(b, k)
+                self.inputs[b][k] = [h[:, m:]] if m < h.shape[1] else []
                 self.committed[b][k] += m
                 if k + 1 < len(self.net.layers):
                     self._push(b, k + 1, x)
@@ -254,7 +262,7 @@ class MTP(RowStates):
                         # module's outputs at the slots it has just run on drafted tokens.
                         start, pending = self.committed[b][j], self._pending(b, j)
                         fresh = out[:, out.shape[1] - (n - 1 - start - pending):]
-                        held = self.inputs[b][j]
+                        held = self._held(b, j)
                         hidden.append(fresh if held is None else mx.concatenate([held, fresh], axis=1))
                         ids.append(self._ids(ctx, drafted[b], start + j + 1, n + j))
                     else:
@@ -280,8 +288,7 @@ class MTP(RowStates):
         return mx.concatenate(parts)
 
     def _pending(self, b: int, k: int) -> int:
-        held = self.inputs[b][k]
-        return 0 if held is None else held.shape[1]
+        return sum(h.shape[1] for h in self.inputs[b][k])
 
 
 def build(target: Model, o: Options) -> MTP:
