@@ -138,13 +138,13 @@ class Medusa(RowStates):
         return cached
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        self.states[b] = features[0][0, -1]
+        self.states[b] = features[0]  # [1, n, H]: its last state is read when the row drafts
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         rows = [b for b, (h, k) in enumerate(zip(self.states, ks)) if h is not None and k > 0]
         drafts = [EMPTY() for _ in ks]
         if rows:
-            hidden = mx.stack([self.states[b] for b in rows])  # [R, H]
+            hidden = mx.stack([self.states[b][0, -1] for b in rows])  # [R, H]
             logits = self.heads(self.target.model.norm(hidden))[..., : self.target.args.vocab_size]  # [R, K, V]
             for i, b in enumerate(rows):
                 if self.chain:  # each head's most likely token (a target that verifies chains only)

@@ -166,8 +166,8 @@ class MTP(RowStates):
 
     def new_row(self) -> dict:
         # Per module: slots whose inputs are all committed; the committed input states of its next slots,
-        # not yet run, as they came ([1, m, H] each, joined when read). Module 1's output at the last
-        # committed slot [1, 1, H].
+        # not yet run, as they came ([1, m, H] each, joined when read; module 1's are the target's hidden
+        # states, normed when it runs). Module 1's output at the last committed slot [1, 1, H].
         D = len(self.net.layers)
         return {"committed": [0] * D, "inputs": [[] for _ in range(D)], "ahead": None}
 
@@ -184,7 +184,7 @@ class MTP(RowStates):
         for cache, n in zip(self.cache, self.committed[b]):
             cache.cut(b, n)
         if features:
-            self._push(b, 0, self.target.model.norm(features[0]))
+            self._push(b, 0, features[0])  # normed when module 1 runs over them (`_run`)
 
     def _push(self, b: int, k: int, states: mx.array) -> None:
         self.inputs[b][k].append(states)
@@ -203,6 +203,8 @@ class MTP(RowStates):
         if all(h is None for h in hidden):
             return [None] * len(hidden)
         h, n = padded(hidden)
+        if k == 0:  # module 1 reads the target's last hidden states, normed
+            h = self.target.model.norm(h)
         ids, _ = padded([t[None, :, None] if t is not None else None for t in tokens], h.shape[1])
         cache = self.cache[k]
         before = list(cache.lengths)
