@@ -58,7 +58,11 @@ def test_each_demo_drafter_is_lossless(targets, kind):
         events = list(speculative_steps(model, prompt, greedy, 40, drafter.new_session()))
         assert [t for e in events for t in e.tokens][:40] == plain
         if kind not in ("lookup", "suffix"):  # the trained ones draft something that is accepted
-            assert sum(e.accepted for e in events) > 0
+            # (K fixed: where the policy finds drafting does not pay, here with the reference BLAS's slow
+            # verifications, it may decode a short answer plainly but for a probe or two)
+            fixed = list(speculative_steps(model, prompt, greedy, 40, drafter.new_session(), num_draft=2))
+            assert [t for e in fixed for t in e.tokens][:40] == plain
+            assert sum(e.accepted for e in fixed) > 0
 
 
 def test_check_flag_on_the_demo():

@@ -103,6 +103,38 @@ def test_modules_keep_exact_caches(case):
         assert mx.abs(drafter.cache[k].keys[..., :m, :] - ref.keys[..., :m, :]).max().item() < 1e-5
 
 
+def test_drafts_past_the_last_module_follow_a_fresh_pass(case):
+    """Each draft position, against a fresh pass without caches: module k reads module k-1's outputs (module 1
+    the target's normed states) and the tokens k + 1 ahead; past the last module, the last reads its own
+    output and the token it drafted, as if they were one more committed slot."""
+    _, net, _, target = case
+    norm = target.model.norm.weight
+    # The fixtures' final norm scales by ones: with other scales, normed twice is not normed once.
+    target.model.norm.weight = mx.random.uniform(0.2, 3.0, norm.shape, key=mx.random.key(0))
+    try:
+        drafter, L = MTP(net, target), len(net.layers)
+        prompt = PROMPTS[1]
+        context = prompt + tokens_of(speculative_steps(target, prompt, GREEDY, 12, drafter, num_draft=3))
+        K = L + 2
+        drafted = drafter.propose([context], [K], [GREEDY])[0].tokens.tolist()
+        n = len(context)
+        _, (h,) = target(mx.array([context]), capture=drafter.capture)
+        inputs, tokens = target.model.norm(h)[:, : n - 1], context[1:]  # module 1's slots 0 .. n - 2
+        expected = []
+        for d in range(1, K + 1):
+            module = net.layers[min(d, L) - 1]
+            x = module(inputs, target.model.embed_tokens(mx.array([tokens])), mask="causal")
+            token = int(mx.argmax(module.logits(x[:, -1], target)[0]).item())
+            expected.append(token)
+            if d < L:  # the next module: these outputs, the tokens one further ahead
+                inputs, tokens = x, tokens[1:] + [token]
+            else:  # the last module again: its own output and the token it drafted, one slot on
+                inputs, tokens = mx.concatenate([inputs, x[:, -1:]], axis=1), tokens + [token]
+    finally:
+        target.model.norm.weight = norm
+    assert drafted == expected
+
+
 def test_refuses_moe_blocks(tmp_path):
     src = tmp_path / "moe"
     shutil.copytree(FIXTURES / "deepseek", src)

@@ -28,7 +28,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, depth_tree, draw_rows, joined, padded
+from mlx_spec.drafters.base import (EMPTY, Draft, Kind, Options, RowStates, common_prefix, depth_tree, draw_rows,
+                                    joined, padded)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config

@@ -184,7 +184,7 @@ class MTP(RowStates):
         for cache, n in zip(self.cache, self.committed[b]):
             cache.cut(b, n)
         if features:
-            self._push(b, 0, features[0])  # normed when module 1 runs over them (`_run`)
+            self._push(b, 0, features[0])  # normed when module 1 runs over them (`_extend`)
 
     def _push(self, b: int, k: int, states: mx.array) -> None:
         self.inputs[b][k].append(states)
@@ -203,8 +203,6 @@ class MTP(RowStates):
         if all(h is None for h in hidden):
             return [None] * len(hidden)
         h, n = padded(hidden)
-        if k == 0:  # module 1 reads the target's last hidden states, normed
-            h = self.target.model.norm(h)
         ids, _ = padded([t[None, :, None] if t is not None else None for t in tokens], h.shape[1])
         cache = self.cache[k]
         before = list(cache.lengths)
@@ -222,7 +220,8 @@ class MTP(RowStates):
                 h, start = self._held(b, k), self.committed[b][k]
                 m = 0 if h is None else min(h.shape[1], len(context) - 1 - k - start)
                 counts.append(max(m, 0))
-                hidden.append(h[:, :m] if m > 0 else None)
+                # module 1 reads the target's last hidden states, normed (a row's once, however many rounds)
+                hidden.append(None if m <= 0 else self.target.model.norm(h[:, :m]) if k == 0 else h[:, :m])
                 tokens.append(mx.array(context[start + k + 1 : start + k + 1 + m]) if m > 0 else None)
             outputs = self._run(k, hidden, tokens)
             for b, (x, m) in enumerate(zip(outputs, counts)):
