@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,8 @@ class Row:
             "prediction_note": why,
             "of_bound": _median(tps) / (m["tau"] * bound_tps) if bound_tps else None,
             "peak_memory_mb": self.peak / 2**20,
+            # where a round's time goes: the host's work with the device idle, and the rest (the device's)
+            **{k: m[k] for k in ("host_ms_per_round", "verify_ms_per_round", "draft_ms_per_round", "k_chosen")},
         }
 
 
@@ -122,63 +125,42 @@ def take_turns(decoders: list[Decoder], turn: int = TURN) -> list[tuple[int, int
 
 
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
-                        temps: list[float], batches: int = 6, sequences: int = 24,
-                        num_draft: dict[str, int | None] | None = None) -> list[dict]:
-    """Throughput of B sequences decoded together (`Decoder`), per batch size,
-    temperature and method, and the mean draft length the policy chose: where
-    verification stops being memory-bound, it drafts less, then not at all. As a
-    server would, each method's decoder serves a first batch (compiling, and
-    measuring what drafting costs at this batch size), then `batches` measured
-    ones, or more where fewer would decode under `sequences` (one sequence is a
-    sample of text a drafter may or may not suit). Each method decodes each
-    batch beside plain decoding of the same batch, the two taking turns every
-    `TURN` rounds (`take_turns`): one batch's run alone is often 10-30% off on
-    this machine, either way, and the machine's speed drifts within a second;
-    turns a few rounds long share it. A method's ratio to plain decoding is the
-    median over batches of its throughput over its partner's, with their
-    quartiles; its throughput the median over batches. Plain decoding is also
-    measured as a method is (`CONTROL`): its ratio, 1 but for the noise, is how
-    far this run can tell a method from plain decoding. `num_draft` fixes a
-    method's K (`:num-draft=K`, as in its one-sequence rows): what a K costs at
-    this batch size, beside what the policy makes of it."""
+                        temps: list[float], num_draft: dict[str, int | None] | None = None,
+                        progress: "Progress | None" = None) -> list[dict]:
+    """Throughput of B sequences decoded together (`Decoder`), per batch size, temperature and method, and
+    the mean draft length the policy chose. Each method decodes the prompts once, B at a time (a batch of
+    B cycles through them, so there are at least B sequences), after a short batch that compiles the shapes
+    and measures what drafting costs at this batch size. All methods decode side by side, taking turns every
+    `TURN` rounds (`take_turns`): this machine's speed drifts within a second, and turns a few rounds long
+    share the drift. Plain decoding is measured twice (`CONTROL`): its second ratio, 1 but for the noise,
+    is how far this run can tell a method from plain decoding. `num_draft` fixes a method's K
+    (`:num-draft=K`, as in its one-sequence rows). The whole costs about as much as decoding every method's
+    tokens once."""
     out, fixed = [], num_draft or {}
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
-        plain = Decoder(model)
-        runs = {name: (Decoder(model, num_draft=fixed.get(name)), drafter)
-                for name, drafter in {CONTROL: None, **drafters}.items()
-                if name != PLAIN and (drafter is None or not drafter.one_row or B == 1)}
-        totals = {name: [0, 0] for name in runs}  # rounds, drafted
-        tps: dict[str, list[float]] = {name: [] for name in (PLAIN, *runs)}
-        ratios: dict[str, list[float]] = {name: [] for name in runs}
-        for batch in range(max(batches, -(-sequences // B)) + 1):
-            order = list(runs.items())
-            random.Random(batch).shuffle(order)
-            for name, (decoder, drafter) in order:
-                # A drafter session a batch (sessions share what the policy learned of the drafter): suffix
-                # decoding's would otherwise recall earlier batches' answers to the same prompts.
-                session = drafter.new_session() if drafter is not None else None
-                mx.random.seed(batch)
-                for i in range(B):
-                    prompt = prompts[(i + batch * B) % len(prompts)]
-                    decoder.add((batch, i), prompt, params, n, session)
-                    plain.add((batch, i), prompt, params, n)
-                first = batch % 2  # each of the pair goes first half the time
-                results = take_turns([decoder, plain] if first else [plain, decoder])
-                (made, rounds, drafted, seconds), (made_plain, _, _, seconds_plain) = results if first else results[::-1]
-                if batch:  # the first batch warms up
-                    tps[name].append(made / seconds)
-                    tps[PLAIN].append(made_plain / seconds_plain)
-                    ratios[name].append(tps[name][-1] / tps[PLAIN][-1])
-                    totals[name][0] += rounds
-                    totals[name][1] += drafted
-        out.append({"name": PLAIN, "batch": B, "temp": temp, "tps": statistics.median(tps[PLAIN]),
-                    "mean_k": 0.0, "ratio_to_plain": 1.0, "ratio_quartiles": [1.0, 1.0]})
-        for name, (rounds, drafted) in totals.items():
-            q1, _, q3 = statistics.quantiles(ratios[name], n=4)
-            out.append({"name": name, "batch": B, "temp": temp, "tps": statistics.median(tps[name]),
-                        "mean_k": drafted / rounds, "ratio_to_plain": statistics.median(ratios[name]),
-                        "ratio_quartiles": [q1, q3]})
+        methods = {name: d for name, d in {PLAIN: None, CONTROL: None, **drafters}.items()
+                   if d is None or not d.one_row or B == 1}
+        decoders = {name: Decoder(model, num_draft=fixed.get(name)) for name in methods}
+        totals = {name: [0, 0, 0, 0.0] for name in methods}  # tokens, rounds, drafted, seconds
+        sequences = max(len(prompts), B)
+        for batch, start in enumerate([None, *range(0, sequences, B)]):  # the first warms up
+            for name, drafter in methods.items():
+                session = drafter.new_session() if drafter is not None else None  # (suffix decoding would
+                mx.random.seed(batch)  # otherwise recall the earlier batches' answers to the same prompts)
+                for i in range(B if start is not None else min(B, 2)):
+                    prompt = prompts[((start or 0) + i) % len(prompts)]
+                    decoders[name].add((batch, i), prompt, params, n if start is not None else 8, session)
+            results = take_turns(list(decoders.values()))
+            if start is not None:
+                for name, result in zip(decoders, results):
+                    totals[name] = [a + b for a, b in zip(totals[name], result)]
+            if progress is not None and start is not None:
+                progress.step(f"temperature {temp:g}, {B} sequences at a time", sum(r[0] for r in results))
+        plain = totals[PLAIN][0] / totals[PLAIN][3]
+        for name, (tokens, rounds, drafted, seconds) in totals.items():
+            out.append({"name": name, "batch": B, "temp": temp, "tps": tokens / seconds, "mean_k": drafted / rounds,
+                        "ratio_to_plain": tokens / seconds / plain})
     return out
 
 
@@ -360,7 +342,9 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
 
     model = target.model
     runners: dict[str, Runner] = {PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n)}
-    sharded = distributed.active()  # mlx-lm's rows would run the whole target: not where it is split
+    # mlx-lm's rows would run the whole target where it is split; `--no-mlx-lm` leaves them out (they hold a
+    # second copy of the weights)
+    sharded = distributed.active() or args.no_mlx_lm
     # A target run through mlx-lm's code is its model already (the same weights, read right, in the same dtype);
     # else mlx-lm loads the checkpoint, computing in mlx-spec's dtype (float32 on the CPU, where half precision
     # is not BLAS-backed), so that its rows compare like with like
@@ -428,6 +412,29 @@ def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> di
     return {"replayed_tokens": k // 2 + 1, "rollback_ms": 1e3 * (with_cut - plain), "plain_step_ms": 1e3 * plain}
 
 
+def verification_curve(model, prompt: list[int], sizes: list[int], most: int, repeats: int = 5) -> dict:
+    """What a target forward of S tokens a row costs, S = 1..most + 1, at each batch size (ms, the median
+    of `repeats`, after the prompt's context): the curve the policy weighs drafts against. One token to two
+    is a step on a GPU (a matrix-vector product becomes a matrix product), flat after it; on a CPU it rises."""
+    out = {}
+    for B in sizes:
+        cache = model.make_cache(rows=B)
+        mx.eval(model(mx.array([prompt] * B), cache)[0])
+        times = {}
+        for S in range(1, most + 2):
+            tokens = mx.array([prompt[-1:] * S] * B)  # [B, S]
+            spent = []
+            for i in range(repeats + 1):
+                tic = time.perf_counter()
+                mx.eval(model(tokens, cache)[0])
+                trim_cache(cache, S)
+                if i:  # the first compiles
+                    spent.append(time.perf_counter() - tic)
+            times[S] = 1e3 * _median(spent)
+        out[B] = times
+    return out
+
+
 class _Free(RowStates):
     """Drafts k copies of token 0 and costs nothing: a round's work beside its forwards (`round_overhead`)."""
 
@@ -480,6 +487,35 @@ def read_per_step(model) -> int:
     return total
 
 
+class Progress:
+    """What a running benchmark prints on stderr: where it is, how long it has run and about how long it has
+    left (from the tokens decoded so far), on one line redrawn in a terminal, a line a step elsewhere."""
+
+    def __init__(self, tokens: int, stream=None):
+        self.total, self.decoded, self.start = tokens, 0, time.perf_counter()
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def step(self, what: str, tokens: int) -> None:
+        self.decoded = min(self.decoded + tokens, self.total)
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / self.decoded * (self.total - self.decoded)
+        filled = round(20 * self.decoded / self.total)
+        line = (f"[{'#' * filled}{'.' * (20 - filled)}] {self.decoded / self.total:4.0%} {_clock(elapsed)} "
+                f"elapsed, about {_clock(left)} left: {what}")
+        print(f"\r\x1b[2K{line}" if self.tty else line, end="" if self.tty else "\n", file=self.stream, flush=True)
+
+    def say(self, text: str) -> None:
+        print(f"\r\x1b[2K{text}" if self.tty else text, file=self.stream, flush=True)
+
+    def done(self) -> None:
+        self.say(f"measured in {_clock(time.perf_counter() - self.start)}")
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
 def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> dict:
     """Measure every method at every temperature; the report as a dict (`template_args`: `load_prompts`')."""
     from mlx_spec import api
@@ -501,12 +537,20 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                             else f"--prompt: {overflow}")
     runners, drafters, num_draft = make_runners(args, target)
 
+    print(f"mlx-spec bench: {len(runners)} methods x {len(prompts)} prompts x {args.repeats} repeats x "
+          f"{len(args.temps)} temperatures, {n} tokens each" + (f"; then {len(drafters) + 1} methods "
+          f"decoding them {', '.join(map(str, sizes))} at a time" if sizes else ""), file=sys.stderr)
+    warm = min(n, 32)  # tokens a method decodes before it is timed, at each temperature (compiles; its
+    # policy learns what drafting costs here, as a chat's earlier turns teach it)
+    progress = Progress(len(args.temps) * (len(runners) * (warm + args.repeats * len(prompts) * n) +
+                                           sum(max(len(prompts), B) * min(n, 64) * (len(drafters) + 1) for B in sizes)))
     rows: list[Row] = []
     for temp in args.temps:
         params = SamplingParams(temp=temp)
         table = {name: Row(name, temp) for name in runners}
-        for run in runners.values():  # warm-up: compile, allocate
-            time_run(run(prompts[0], params, 8), len(prompts[0]), 8)
+        for name, run in runners.items():
+            time_run(run(prompts[0], params, warm), len(prompts[0]), warm)
+            progress.step(f"temperature {temp:g}, warming up {name}", warm)
         for r in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 timed = {}
@@ -519,6 +563,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                     mx.reset_peak_memory()
                     timed[name] = time_run(run(prompt, params, n), len(prompt), n, table[name].metrics)
                     table[name].peak = max(table[name].peak, mx.get_peak_memory())
+                    progress.step(f"temperature {temp:g}, prompt {i + 1}/{len(prompts)}: {name}", n)
                 base_tps, plain_tokens = timed[PLAIN][1], timed[PLAIN][2]
                 for name, (ptps, dtps, tokens) in timed.items():
                     row = table[name]
@@ -529,10 +574,13 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                         row.ties += 1
                     else:
                         row.identical &= tokens == plain_tokens
+        progress.say(f"temperature {temp:g}: " + ", ".join(
+            f"{name} {_median(row.ratios):.2f}x" for name, row in table.items() if name != PLAIN))
         rows += table.values()
     # Batches decode up to 64 tokens a sequence: enough for the policy to settle, a batch of 16 in seconds.
-    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, max(6, args.repeats),
-                                       num_draft=num_draft) if sizes else [])
+    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, num_draft, progress)
+                   if sizes else [])
+    progress.done()
     weights = tree_flatten(model.parameters())
     step_bytes = read_per_step(model)
     bandwidth, bound = bandwidth_bound(step_bytes)
@@ -558,6 +606,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         "rows": reported,
         "concurrency": concurrency,
         "rollback": rollback_cost(model, prompts[0]),
+        "verification_ms": verification_curve(model, prompts[0], sorted({1, *sizes}), 8),
         "round_overhead": round_overhead(model, prompts[0]),
         "shard": distributed.describe(),
     }
@@ -583,6 +632,9 @@ def format_report(report: dict) -> str:
                                 f"({overhead['forward_ms']:.2f} ms)" if overhead["overhead_ms"] > 0 else
                                 f"hidden: the round took {overhead['round_ms']:.2f} ms, its verification forward of "
                                 f"{tokens} tokens alone {overhead['forward_ms']:.2f} ms"))
+    for B, times in report.get("verification_ms", {}).items():
+        lines.insert(2, f"a target forward of 1, 2, ... tokens a row, {B} row{'s' * (B != 1)}: " +
+                     " ".join(f"{ms:.1f}" for ms in times.values()) + " ms")
     rollback = report.get("rollback")
     if rollback:
         lines.insert(2, f"linear-attention rollback: {rollback['rollback_ms']:.2f} ms a round (the recurrence replayed "
@@ -606,18 +658,15 @@ def format_report(report: dict) -> str:
     if report["concurrency"]:
         sizes = sorted({r["batch"] for r in report["concurrency"]})
         lines.append("")
-        lines.append("throughput, tokens/s of all rows together, by batch size (the median over batches; "
-                     "over plain decoding's in the same batch; mean K drafted a round; "
-                     f"{CONTROL}: plain decoding measured again, as a method is: its ratio is this run's noise):")
+        lines.append("throughput, tokens/s of all rows together, by batch size (every method decoding the prompts "
+                     "B at a time, all of them by turns; over plain decoding's; mean K drafted a round):")
         lines.append(f"{'':30} {'temp':>4} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
         for name, temp in dict.fromkeys((r["name"], r["temp"]) for r in report["concurrency"]):
             cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name and r["temp"] == temp}
             lines.append(f"{name:30} {temp:4.1f} " + " ".join(
                 f"{cells[b]['tps']:8.1f} {cells[b]['ratio_to_plain']:4.2f}x K{cells[b]['mean_k']:3.1f}" if b in cells
                 else f"{'':18}" for b in sizes))
-        lines.append(f"{CONTROL}, the middle half of its batches' ratios (what one batch may read): " + ", ".join(
-            f"B={r['batch']} at {r['temp']:.1f} {r['ratio_quartiles'][0]:.2f}-{r['ratio_quartiles'][1]:.2f}x"
-            for r in report["concurrency"] if r["name"] == CONTROL))
+        lines.append(f"{CONTROL}: plain decoding measured twice in the same turns; its ratio is this run's noise")
     return "\n".join(lines + notes + distributed.report_lines(report))
 
 

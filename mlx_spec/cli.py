@@ -307,11 +307,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "drafter": args.drafter,
             **m.as_dict(),
         }
+        if args.explain:
+            out["rounds"] = [f"{why}; kept {kept}" for why, kept in result.rounds]
         if identical is not None:
             out["identical_to_plain"] = identical
         print(json.dumps(out))
     else:
         print()
+        if args.explain:
+            for i, (why, kept) in enumerate(result.rounds, 1):
+                print(f"round {i}: {why}; kept {kept}", file=sys.stderr)
         stats = (
             f"[{len(ids)} prompt tokens, {result.prompt_tps:.1f} tok/s; "
             f"{len(result.tokens)} generated, {result.generation_tps:.1f} tok/s"
@@ -411,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter_args(g)
     _add_draft_aliases(g, "--drafter")
     g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
+    g.add_argument("--explain", action="store_true",
+                   help="say, for each round, the K the policy chose and why (expected tokens, cost; on stderr)")
     distributed.add_arguments(g)
     g.set_defaults(func=cmd_generate)
 
@@ -439,9 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
-                   help="also measure B sequences decoded together, e.g. 1,4,16 (throughput at each temperature, each "
-                        "method by turns with plain decoding; plain decoding also as a method is: the run's noise; a method's "
-                        "num-draft fixes its K there too)")
+                   help="also measure B sequences decoded together, e.g. 1,4,16 (throughput at each temperature, every "
+                        "method by turns; plain decoding twice: the run's noise; a method's num-draft fixes its K there too)")
+    b.add_argument("--no-mlx-lm", action="store_true",
+                   help="leave out mlx-lm's rows (they hold a second copy of the target's weights)")
     b.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw acceptance by position and tokens/s per method (needs matplotlib)")
     distributed.add_arguments(b)

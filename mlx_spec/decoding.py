@@ -25,10 +25,10 @@ from mlx_spec.attention import TreeMask
 from mlx_spec.cache import KVCache, cut_cache, keep_cache, rewound, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
-from mlx_spec.logprobs import gather, read
+from mlx_spec.logprobs import gather, read as read_logprobs
 from mlx_spec.metrics import StepEvent
 from mlx_spec.policy import Policy
-from mlx_spec.sampling import SamplingParams, accept
+from mlx_spec.sampling import SamplingParams, verdict_arrays, verdicts
 
 PREFILL_STEP = 512
 
@@ -137,11 +137,12 @@ class Decoder:
         """One round for every row still decoding."""
         rows = self.rows
         guesses = {b: r.drafter.guess(r.slot, r.context) for b, r in enumerate(rows) if r.drafter and r.drafter.guesses}
+        empty = [guesses.get(b, 0) is None for b in range(len(rows))]  # its drafter finds nothing to draft
         ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
-                                [max(r.max_tokens - r.produced - 1, 0) for r in rows],  # a round adds one token
-                                [guesses.get(b, 0) is None for b in range(len(rows))])  # nothing to draft
+                                [max(r.max_tokens - r.produced - 1, 0) for r in rows], empty)  # a round adds one token
+        why = self.policy.last
         if not any(ks) or self.queued is not None:  # a round queued is taken (its forward is under way): a
-            return self._plain_step(guesses)  # choice to draft made on news that came after it waits a round
+            return self._plain_step(guesses, empty, why)  # choice to draft made on news that came after it waits a round
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
         tic = time.perf_counter()
@@ -156,9 +157,8 @@ class Decoder:
                                        [rows[b].params for _, b in members])
             for (_, b), draft in zip(members, proposed):
                 drafts[b] = draft.to_depth(ks[b])  # a round never commits more than k + 1 tokens
-        lazy = [a for d in drafts for a in (d.tokens, d.log_probs) if a is not None]
-        mx.async_eval(lazy)  # the drafts compute while the verification is built
-        built = time.perf_counter()
+        mx.async_eval([a for d in drafts for a in (d.tokens, d.log_probs) if a is not None])
+        dispatched = time.perf_counter()  # the drafts compute while the verification and its verdicts are built
         capture = self._capture()
         inputs, positions, mask = self._inputs(drafts, starts)
         one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
@@ -166,30 +166,28 @@ class Decoder:
             logits, hidden = one.verify_forward(self.model, inputs, self.cache, capture)
         else:
             logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
-        building = time.perf_counter() - built
-        mx.eval(lazy)
-        mid = time.perf_counter()
-        # The drafts computed while the verification was built: that building is the verification's.
-        drafting = max(mid - tic - building, built - tic)
-        share = drafting / max(len(drafters), 1)  # each drafter's part of it
-        asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])  # computed with the verdicts
-        verdicts = accept(logits, drafts, [r.params for r in rows], self.acceptance)
-        for b, ((path, _), draft) in enumerate(zip(verdicts, drafts)):
+        params = [r.params for r in rows]
+        lazy = verdict_arrays(logits, drafts, params, self.acceptance)
+        asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])
+        read, drafted, asked = host.read(lazy, [d.tokens for d in drafts], asked)  # the round's one wait
+        verified = time.perf_counter()
+        results = verdicts(read, drafted, drafts, params, self.acceptance)
+        for b, ((path, _), draft) in enumerate(zip(results, drafts)):
             if draft.parents is None:
                 cut_cache(self.cache, b, starts[b] + 1 + len(path))
             else:
                 keep_cache(self.cache, [starts[b] + 1 + i for i in path], starts[b] + 1, b)
-        toc, events = time.perf_counter(), {}
-        for b, (r, draft, (path, token)) in enumerate(zip(rows, drafts, verdicts)):
-            drafted = host.read(draft.tokens)
-            tokens, at = [drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]
-            self._commit(b, r, tokens, hidden, capture, mx.array(at))
+        events = {}
+        for b, (r, draft, row_drafted, (path, token)) in enumerate(zip(rows, drafts, drafted, results)):
+            new, at = [row_drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]
+            self._commit(b, r, new, hidden, capture, mx.array(at))
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
-            events[r.key] = StepEvent(tokens, [True] * len(path) + [False], drafted, share if r.drafter else 0.0,
-                                      toc - mid, depth, read(asked, b, at, tokens))
+            events[r.key] = StepEvent(new, [True] * len(path) + [False], row_drafted, dispatched - tic,
+                                      verified - dispatched, depth, read_logprobs(asked, b, at, new), why=why)
         end = time.perf_counter()  # the policy weighs whole rounds: the host's work after the verdicts too
-        self.policy.record([r.key for r in rows], ks, [e.accepted for e in events.values()],
-                           inputs.shape[1], sum(len(e.tokens) for e in events.values()), end - tic)
+        for e in events.values():
+            e.host_time = dispatched - tic + end - verified
+        self.policy.record([r.key for r in rows], ks, [e.accepted for e in events.values()], end - tic)
         self._finish()
         return events
 
@@ -210,36 +208,40 @@ class Decoder:
         chains = [d.parents if d.parents is not None else list(range(-1, len(d) - 1)) for d in drafts]
         return (tokens, *map(mx.array, tree.batch_layout(chains, starts, S)))  # positions, mask
 
-    def _plain_step(self, guesses: dict[int, int | None]) -> dict[object, StepEvent]:
+    def _plain_step(self, guesses: dict[int, int | None], empty: list[bool], why) -> dict[object, StepEvent]:
         """A plain round for every row; drafters still read the target's features, and those that guess
         (`guesses`: row -> the token its draft would start with) learn the odds it had of being accepted.
         The next round is queued before this one's tokens are read (the host builds it meanwhile)."""
         tic = time.perf_counter()
-        capture = self._capture()
-        queued = self.queued is not None
-        y, hidden, asked, lp = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in self.rows]), capture)
+        rows, capture, queued = self.rows, self._capture(), self.queued is not None
+        y, hidden, asked, lp = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in rows]), capture)
         hits = [(b, x) for b, x in guesses.items() if x is not None]
         odds = None if lp is None or not hits else mx.exp(lp[mx.array([b for b, _ in hits]), mx.array([x for _, x in hits])])
         mx.async_eval(y, *([odds] if odds is not None else []))
+        # Queued only where the next round is plain too (as far as is known now: a row whose drafter found
+        # nothing this round is taken to find nothing the next); one that drafts would wait for it, then drop it.
+        keys, drafters = [r.key for r in rows], [r.drafter for r in rows]
+        rooms = [r.max_tokens - r.produced - 2 for r in rows]
         self.queued = None
-        # Queued only where the next round is plain too: one that drafts would wait for it, then drop it.
-        keys, drafters = [r.key for r in self.rows], [r.drafter for r in self.rows]
-        empty = [b in guesses and guesses[b] is None for b in range(len(self.rows))]
-        if self.policy.plain_next(keys, drafters, empty) and all(r.max_tokens - r.produced > 1 for r in self.rows):
+        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)):
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
-        tokens = host.read(y)
+        tokens, odds, asked = host.read(y, odds, asked)  # the round's one wait
         toc = time.perf_counter()
         events = {}
-        for b, (r, token) in enumerate(zip(self.rows, tokens)):
+        for b, (r, token) in enumerate(zip(rows, tokens)):
             self._commit(b, r, [token], hidden, capture)
-            events[r.key] = StepEvent([token], [False], verify_time=toc - tic, logprobs=read(asked, b, [0], [token]))
-        odds = host.read(odds) if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
-        for (b, _), p in zip(hits, odds):
-            self.policy.observe(self.rows[b].key, p)
+            events[r.key] = StepEvent([token], [False], verify_time=toc - tic,
+                                      logprobs=read_logprobs(asked, b, [0], [token]), why=why)
+        odds = odds if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
         # What drafting must beat is plain decoding going on: a round queued that queues the next.
-        if any(drafters) and queued and self.queued is not None:
-            self.policy.record(keys, [0] * len(keys), [0] * len(keys), 1, len(tokens), time.perf_counter() - tic)
+        steady = queued and self.queued is not None
+        end = time.perf_counter()
+        for e in events.values():
+            e.host_time = end - toc
+        if any(drafters):
+            self.policy.record(keys, [0] * len(keys), [0] * len(keys), end - tic, steady,
+                               {rows[b].key: p for (b, _), p in zip(hits, odds)})
         self._finish()
         return events
 

@@ -31,6 +31,7 @@ class Generation:
     generation_time: float = 0.0  # seconds from the first to the last token
     finish_reason: str = "length"
     metrics: Metrics = field(default_factory=Metrics)
+    rounds: list = field(default_factory=list)  # per round: (the policy's `Decision`, drafts kept)
 
     @property
     def prompt_tps(self) -> float:
@@ -74,6 +75,7 @@ def stream_generate(
     for event in steps(model, prompt, params, max_tokens):
         now = time.perf_counter()
         result.metrics.add(event)
+        result.rounds.append((event.why, event.accepted))
         if first is None:
             first = now
             result.prompt_time = now - start

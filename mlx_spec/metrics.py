@@ -19,10 +19,12 @@ class StepEvent:
     tokens: list[int]  # committed this step, in order
     from_draft: list[bool]  # which of `tokens` came from the draft
     drafted: list[int] = field(default_factory=list)  # what the drafter proposed (a tree's nodes in order)
-    draft_time: float = 0.0  # seconds
-    verify_time: float = 0.0
+    draft_time: float = 0.0  # seconds the host spent drafting (building a model's drafts, or copying)
+    verify_time: float = 0.0  # seconds from the drafts' dispatch to the verdicts read (the device's work)
     tree_depth: int | None = None  # for a tree draft: its depth
     logprobs: list[TokenLogprob] | None = None  # one per token, for a row that asked for them
+    host_time: float = 0.0  # seconds of the round's host work with nothing queued on the device
+    why: object = None  # the policy's `Decision` for the round
 
     @property
     def depth(self) -> int:
@@ -44,6 +46,8 @@ class Metrics:
     positions: int = 0  # draft positions verified, summed over rounds (a tree counts its depth)
     draft_time: float = 0.0
     verify_time: float = 0.0
+    host_time: float = 0.0
+    chosen: dict[int, int] = field(default_factory=dict)  # K the policy chose -> rounds
     # reached[i]: rounds whose draft position i was verified (all before it accepted)
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
@@ -57,6 +61,9 @@ class Metrics:
         self.positions += event.depth
         self.draft_time += event.draft_time
         self.verify_time += event.verify_time
+        self.host_time += event.host_time
+        if event.why is not None:
+            self.chosen[event.why.k] = self.chosen.get(event.why.k, 0) + 1
         n, k = event.accepted, event.depth
         while len(self.reached) < k:
             self.reached.append(0)
@@ -68,7 +75,7 @@ class Metrics:
     def merge(self, other: "Metrics") -> None:
         """Add another run's counts (a chat session sums its answers)."""
         for name in ("steps", "drafting_rounds", "tokens", "drafted", "accepted", "positions", "draft_time",
-                     "verify_time"):
+                     "verify_time", "host_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, (r, a) in enumerate(zip(other.reached, other.accepted_at)):
             if i == len(self.reached):
@@ -76,6 +83,8 @@ class Metrics:
                 self.accepted_at.append(0)
             self.reached[i] += r
             self.accepted_at[i] += a
+        for k, n in other.chosen.items():
+            self.chosen[k] = self.chosen.get(k, 0) + n
 
     @property
     def tau(self) -> float:
@@ -114,5 +123,9 @@ class Metrics:
             "accepted_tokens": self.accepted,
             "draft_overhead": self.draft_overhead,
             "draft_ms_per_round": 1e3 * self.draft_time / self.drafting_rounds if self.drafting_rounds else 0.0,
+            # The host's work a round with nothing queued on the device (drafting's, then the verdicts' cuts,
+            # commits and the policy), beside the time from the drafts' dispatch to the verdicts.
+            "host_ms_per_round": 1e3 * self.host_time / self.steps if self.steps else 0.0,
             "verify_ms_per_round": 1e3 * self.verify_time / self.steps if self.steps else 0.0,
+            "k_chosen": dict(sorted(self.chosen.items())),
         }

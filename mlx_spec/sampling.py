@@ -14,7 +14,6 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec import host
 from mlx_spec.errors import UserError
 from mlx_spec.tree import children
 
@@ -249,15 +248,12 @@ def typical_ok(logits: mx.array, tokens: mx.array, parents: list[int], params: S
     return q_x > bar[at]
 
 
-def accept(logits: mx.array, drafts: list, params: list[SamplingParams], rule: str = "exact"
-           ) -> list[tuple[list[int], int]]:
-    """Every row's verdict on its draft, from one verification: `logits` `[B, S, V]`,
-    row b's scores at its pending token and at each of its draft's nodes (then
-    padding). Chains and trees, greedy, sampled (exact) or typical (Medusa's
-    lossy rule, trees only): each row's arrays are built lazily and evaluated
-    together, once for the batch; tree walks then run on the host. Returns, per
-    row, the accepted draft nodes (in order) and the token that follows them."""
-    lazy, verdicts = [], []
+def verdict_arrays(logits: mx.array, drafts: list, params: list[SamplingParams], rule: str = "exact") -> list:
+    """What every row's verdict on its draft is read from, built lazily from one verification: `logits`
+    `[B, S, V]`, row b's scores at its pending token and at each of its draft's nodes (then padding).
+    Chains and trees, greedy, sampled (exact) or typical (Medusa's lossy rule, trees only); the
+    decoder reads them with the round's other values (`host.read`), and `verdicts` finishes."""
+    lazy = []
     for b, (draft, p) in enumerate(zip(drafts, params)):
         n = len(draft)
         scores = logits[b, : n + 1]  # [n+1, V]
@@ -275,23 +271,26 @@ def accept(logits: mx.array, drafts: list, params: list[SamplingParams], rule: s
         else:
             lazy.append([mx.exp(log_probs(scores, p)), mx.random.uniform(shape=(n + 1,))]
                         + ([draft.log_probs] if draft.log_probs is not None else []))
-    mx.eval(lazy)
-    for draft, p, out in zip(drafts, params, lazy):
-        n = len(draft)
-        if n == 0:
-            verdicts.append(([], host.read(out)))
+    return lazy
+
+
+def verdicts(read: list, drafted: list[list[int]], drafts: list, params: list[SamplingParams],
+             rule: str = "exact") -> list[tuple[list[int], int]]:
+    """Per row, from `verdict_arrays` as read on the host and its drafted tokens: the accepted draft
+    nodes (in order) and the token that follows them (tree walks run here)."""
+    out = []
+    for draft, tokens, p, r in zip(drafts, drafted, params, read):
+        if len(draft) == 0:
+            out.append(([], r))
         elif draft.parents is None:
-            k, token = host.read(out)
-            verdicts.append((list(range(k)), token))
+            k, token = r
+            out.append((list(range(k)), token))
+        elif p.greedy:
+            out.append(accept_tree_greedy(r, tokens, draft.parents))
+        elif rule == "typical":
+            q, ok, samples = r
+            out.append(accept_tree_typical(q, ok, samples, tokens, draft.parents))
         else:
-            tokens = host.read(draft.tokens)
-            if p.greedy:
-                verdicts.append(accept_tree_greedy(host.read(out), tokens, draft.parents))
-            elif rule == "typical":
-                q, ok, samples = out
-                verdicts.append(accept_tree_typical(np.array(q), host.read(ok), host.read(samples), tokens, draft.parents))
-            else:
-                q, u, *lp = out
-                verdicts.append(accept_tree_sampled(np.array(q), host.read(u), tokens, draft.parents,
-                                                np.array(lp[0]) if lp else None))
-    return verdicts
+            q, u, *lp = r
+            out.append(accept_tree_sampled(q, u, tokens, draft.parents, lp[0] if lp else None))
+    return out

@@ -88,5 +88,5 @@ def test_batched_rows_draft_the_k_a_method_fixes(checkpoints):
     model = load_model(str(checkpoints["qwen3"]))[0]
     itself = DraftModel(model, model.args.vocab_size)
     rows = bench.measure_concurrency(model, {"fixed": itself}, [[1, 2, 3], [4, 5, 6, 7]], [2], 8,
-                                     [0.0], batches=2, sequences=2, num_draft={"fixed": 2})
+                                     [0.0], num_draft={"fixed": 2})
     assert next(r["mean_k"] for r in rows if r["name"] == "fixed") == 5 / 3

@@ -262,11 +262,12 @@ def test_bench_rows_and_json(checkpoints, tmp_path):
     # plain decoding measured a second time, as a method is: the run's own noise, beside the drafters' ratios
     assert {(r["name"], r["batch"]) for r in report["concurrency"]} == {
         (n, b) for n in ("mlx-spec", "mlx-spec, again", "mlx-spec lookup:num-draft=2") for b in (1, 3)}
-    assert "mlx-spec, again: plain decoding measured again" in proc.stdout
-    assert "mlx-spec, again, the middle half of its batches' ratios (what one batch may read): B=1 at 0.0 " in proc.stdout
-    for r in report["concurrency"]:
-        low, high = r["ratio_quartiles"]
-        assert 0 < low <= r["ratio_to_plain"] <= high
+    assert "mlx-spec, again: plain decoding measured twice in the same turns; its ratio is this run's noise" in proc.stdout
+    assert set(report["verification_ms"]) == {"1", "3"}  # the cost curve the policy weighs drafts against
+    assert all(r["host_ms_per_round"] > 0 and r["k_chosen"] for r in report["rows"] if r["name"] != "mlx-lm")
+    # progress on stderr while it runs, every method at every temperature
+    assert "elapsed, about" in proc.stderr and "temperature 0, prompt 2/2: mlx-spec lookup:num-draft=2" in proc.stderr
+    assert all(r["ratio_to_plain"] > 0 and r["tps"] > 0 for r in report["concurrency"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -267,64 +267,6 @@ def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
         make_drafter("medusa", target, tokenizer=tokenizer)
 
 
-def one_row_policy(k_drafted, accepted, draft_time, verify_time, rounds=30):
-    """A policy for one row whose rounds draft `k_drafted` tokens (a sequence, or
-    one number) and keep `accepted` of them, at the given costs."""
-    from mlx_spec.policy import Policy
-
-    policy = Policy(8)
-    drafter = PromptLookup()
-    drafter.costly, drafter.guesses = True, False  # a stand-in for a draft model
-    for _ in range(3):  # plain rounds, as a decoder measures them (the first of a shape is not counted)
-        policy.record([0], [0], [0], 1, 1, verify_time(1))
-    for i in range(rounds):
-        k = k_drafted[i % len(k_drafted)] if isinstance(k_drafted, list) else k_drafted
-        n = accepted(k) if callable(accepted) else accepted
-        policy.record([0], [k], [n], k + 1, n + 1, draft_time * k + verify_time(k))
-    return policy, drafter
-
-
-def test_draft_length_follows_acceptance_and_costs():
-    from mlx_spec.policy import Policy
-
-    good, d = one_row_policy(8, 8, draft_time=0.1, verify_time=lambda k: 1.0)  # cheap drafts, all accepted
-    assert good.choose([0], [d], [100]) == [8]
-    bad, d = one_row_policy(4, 0, draft_time=0.5, verify_time=lambda k: 1.0)  # costly drafts, none accepted
-    assert bad.choose([0], [d], [100]) == [0]
-    assert any(bad.choose([0], [d], [100])[0] > 0 for _ in range(Policy.PROBE_EVERY))  # probes again
-    # A verification that grows with its length shortens the draft.
-    steep, d1 = one_row_policy([1, 8], lambda k: k // 2, draft_time=0.01, verify_time=lambda k: 1.0 if k == 1 else 4.0,
-                               rounds=60)
-    flat, d2 = one_row_policy([1, 8], lambda k: k // 2, draft_time=0.01, verify_time=lambda k: 1.0, rounds=60)
-    assert steep.choose([0], [d1], [100])[0] < flat.choose([0], [d2], [100])[0]
-    assert Policy(8, fixed=5).choose([0], [d1], [100]) == [5]
-    assert Policy(8).choose([0], [d1], [2]) == [2]  # never past the room the row has left
-
-
-def test_a_drafter_that_guesses_is_weighed_by_plain_rounds_instead_of_probes():
-    """Prompt lookup at a temperature where its drafts are rarely kept: plain rounds tell the odds of
-    each guess (`Policy.observe`), so no round is spent on a probe while they stay low, and drafting
-    starts again within a few rounds once the text makes them high."""
-    from mlx_spec.policy import Policy
-
-    policy, d = one_row_policy(4, 0, draft_time=0.0, verify_time=lambda k: 1.0 + 0.1 * k)
-    d.costly, d.guesses = False, True
-    assert policy.choose([0], [d], [100]) == [0]
-    for _ in range(8 * Policy.PROBE_EVERY):
-        policy.observe(0, 0.05)
-        assert policy.choose([0], [d], [100]) == [0]
-        assert policy.plain_next([0], [d])  # so each plain round may queue the next
-    rounds = 0
-    while policy.choose([0], [d], [100]) == [0]:
-        policy.observe(0, 1.0)
-        rounds += 1
-        assert rounds <= 3 * Policy.PROBE_EVERY
-    # The model says draft; a row whose drafter found nothing this round is taken to find nothing the next
-    # (new text comes in runs): its next round is plain, so it is queued.
-    assert not policy.plain_next([0], [d])
-    assert policy.plain_next([0], [d], [True])
-
-
 @pytest.mark.parametrize("kind", ["lookup", "suffix"])
 def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
     """The seed's timetable shape: the prompt states a text, then starts to

@@ -288,6 +288,13 @@ def joined(pending: list[tuple[mx.array, ...]]) -> mx.array | None:
     return mx.concatenate(taps, axis=-1) if len(taps) > 1 else taps[0]
 
 
+def padded_length(n: int) -> int:
+    """The length a drafter's catch-up over n new tokens is padded to: n up to 8 (what follows a round
+    that drafted), else the next power of two (what follows plain rounds). Each length a forward runs
+    is traced (compiled) once: a few lengths, then none new however the plain runs fall."""
+    return n if n <= 8 else 1 << (n - 1).bit_length()
+
+
 def padded(parts: list[mx.array | None], width: int | None = None) -> tuple[mx.array, list[int]]:
     """Per-row `[1, n_b, ...]` arrays (None: nothing) right-padded with zeros to
     one `[B, n_max, ...]`, and each row's n."""

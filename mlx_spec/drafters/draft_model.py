@@ -11,9 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_spec import host
 from mlx_spec.cache import cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded_length
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
 
@@ -35,8 +34,8 @@ class DraftModel(RowStates):
 
     def new_row(self) -> dict:
         # the tokens whose K/V the cache holds; the context's length at the last proposal;
-        # the drafted tokens it wrote then (lazy), until the commit
-        return {"cached": [], "base": 0, "drafted": None}
+        # how many drafted tokens it wrote then, until the commit
+        return {"cached": [], "base": 0, "drafted": 0}
 
     def _session(self) -> DraftModel:
         return DraftModel(self.model, self.vocab, self.path)
@@ -53,12 +52,12 @@ class DraftModel(RowStates):
         return cached
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
-        # The cache holds the old context and the draft but its last token; keep
-        # the drafted tokens the target accepted (the context has them next).
-        if self.drafted[b] is not None:  # evaluated by now
-            self.cached[b].extend(host.read(self.drafted[b]))
-            self.drafted[b] = None
+        # The cache holds the old context and the draft but its last token; the drafted tokens the
+        # target accepted are the context's next ones (all but the round's last token).
         base = self.base[b]
+        if self.drafted[b]:
+            self.cached[b].extend(context[base : base + min(self.drafted[b], len(context) - 1 - base)])
+            self.drafted[b] = 0
         n = common_prefix(self.cached[b][base:], context[base:])
         self._keep(b, min(base + n, len(context) - 1))
 
@@ -80,8 +79,8 @@ class DraftModel(RowStates):
         new = [c[len(held):] for c, held in zip(contexts, self.cached)]
         lengths = [len(held) for held in self.cached]
         n = [len(t) for t in new]
-        S = max(n)
-        feed = mx.array([t + [0] * (S - len(t)) for t in new])  # [B, S]
+        S = padded_length(max(n))
+        feed = mx.array([t + [0] * (S - len(t)) for t in new])  # [B, S]: padding is cut from the cache
         logits, _ = self.model(feed, self.cache)  # [B, S, V]
         for b, (held, m) in enumerate(zip(lengths, n)):
             cut_cache(self.cache, b, held + m)
@@ -99,9 +98,8 @@ class DraftModel(RowStates):
                 logits, _ = self.model(token[:, None], self.cache)
                 last = logits[:, -1]
         # The cache now holds each context and every draft token but the last: those
-        # join `cached` at the commit, once evaluated.
-        written = mx.stack(tokens, axis=1)[:, : K - 1]  # [B, K - 1]
-        self.drafted = [written[b] for b in range(len(ks))]
+        # the target keeps join `cached` at the commit.
+        self.drafted = [K - 1] * len(ks)
         return Draft.steps(tokens, dists, ks)
 
 

@@ -36,7 +36,8 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, joined, padded
+from mlx_spec.drafters.base import (EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, joined, padded,
+                                   padded_length)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
@@ -291,7 +292,8 @@ class Eagle(RowStates):
         """Run each row's committed slots over the features that came since its last round (one forward)."""
         if not any(self.pending):
             return
-        f, n = padded([joined(p) for p in self.pending])  # [B, n_max, F]
+        parts = [joined(p) for p in self.pending]
+        f, n = padded(parts, padded_length(max(0 if p is None else p.shape[1] for p in parts)))  # [B, S, F]
         if self.net.version == 1:
             f = self.target.model.norm(f)
         S = f.shape[1]
