@@ -56,6 +56,7 @@ class Row:
     decode_tps: list[float] = field(default_factory=list)
     prompt_tps: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)  # to plain, same prompt and repeat
+    rounds_per_s: list[float] = field(default_factory=list)  # target forwards a second while decoding
     identical: bool = True  # greedy: every output equal to plain decoding's
     ties: int = 0  # greedy outputs that part from plain decoding's at a float-rounding tie
     peak: int = 0  # bytes: MLX's peak memory over the row's runs (weights, caches, drafter, activations)
@@ -83,7 +84,8 @@ class Row:
             "alpha": self.metrics.alpha,
             "predicted_speedup": predicted,
             "prediction_note": why,
-            "of_bound": _median(tps) / (m["tau"] * bound_tps) if bound_tps else None,
+            # each round reads the weights once: how near the rounds came to the rate memory allows
+            "of_bound": _median(self.rounds_per_s) / bound_tps if bound_tps else None,
             "peak_memory_mb": self.peak / 2**20,
             # where a round's time goes: the host's work with the device idle, and the rest (the device's)
             **{k: m[k] for k in ("host_ms_per_round", "verify_ms_per_round", "draft_ms_per_round", "k_chosen")},
@@ -203,18 +205,19 @@ def predict(m: Metrics, step_time: float, measured: float) -> tuple[float | None
 
 
 def memory_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second a matrix-vector product reads from a float32 matrix of `nbytes`: how
-    decoding reads its weights (a reduction runs on one core and reads slower than that)."""
-    cols = 4096
-    W = mx.ones((max(nbytes // (4 * cols), 1), cols), dtype=mx.float32)
-    x = mx.ones((cols,), dtype=mx.float32)
-    mx.eval(W, x, W @ x)
+    """Bytes per second decoding's products read from float32 weights of `nbytes` in all: a row times
+    each of several [2048, 2048] matrices, transposed, as a linear layer computes it (`x @ W.T` takes a
+    faster path than a matrix-vector product `W @ x`), evaluated together as a forward's are."""
+    side = 2048 if nbytes >= 4 * 2048 * 2048 else max(int((nbytes // 4) ** 0.5), 1)
+    weights = [mx.ones((side, side), dtype=mx.float32) for _ in range(max(nbytes // (4 * side * side), 1))]
+    x = mx.ones((1, side), dtype=mx.float32)
+    mx.eval(weights, x)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         tic = time.perf_counter()
-        mx.eval(W @ x)
+        mx.eval([x @ w.T for w in weights])
         best = min(best, time.perf_counter() - tic)
-    return W.nbytes / best
+    return sum(w.nbytes for w in weights) / best
 
 
 STREAMING_BYTES = 512 * 2**20  # larger than any cache: a read from memory
@@ -239,12 +242,12 @@ def _median(xs: list[float]) -> float:
 
 
 def time_run(events: Generator[StepEvent, None, None], n_prompt: int, max_tokens: int, metrics: Metrics | None = None):
-    """(prompt tok/s, decode tok/s, tokens) of one run; its events go into `metrics`. Decoding is timed
-    from the first event on, and counts the tokens that came after it: a speculative first round brings
-    several at once (its drafter reading the prompt too), all of them at the time to the first token."""
+    """(prompt tok/s, decode tok/s, tokens, rounds/s) of one run; its events go into `metrics`. Decoding is
+    timed from the first event on, and counts the tokens and rounds that came after it: a speculative first
+    round brings several tokens at once (its drafter reading the prompt too), all at the time to the first."""
     start = time.perf_counter()
     out: list[int] = []
-    first, before = start, 1
+    first, before, rounds = start, 1, -1
     for event in events:
         if metrics is not None:
             metrics.add(event)
@@ -252,13 +255,14 @@ def time_run(events: Generator[StepEvent, None, None], n_prompt: int, max_tokens
             first = time.perf_counter()  # the prompt pass produced the first token(s)
             before = len(event.tokens)
         out.extend(event.tokens)
+        rounds += 1
         if len(out) >= max_tokens:
             break
     end = time.perf_counter()
     settle(events)
     out = out[:max_tokens]
     decode = (len(out) - before) / (end - first) if len(out) > before else 0.0
-    return n_prompt / (first - start), decode, out
+    return n_prompt / (first - start), decode, out, rounds / (end - first) if rounds > 0 else 0.0
 
 
 def settle(events: Generator) -> None:
@@ -565,10 +569,11 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                     table[name].peak = max(table[name].peak, mx.get_peak_memory())
                     progress.step(f"temperature {temp:g}, prompt {i + 1}/{len(prompts)}: {name}", n)
                 base_tps, plain_tokens = timed[PLAIN][1], timed[PLAIN][2]
-                for name, (ptps, dtps, tokens) in timed.items():
+                for name, (ptps, dtps, tokens, rounds) in timed.items():
                     row = table[name]
                     row.prompt_tps.append(ptps)
                     row.decode_tps.append(dtps)
+                    row.rounds_per_s.append(rounds)
                     row.ratios.append(dtps / base_tps)
                     if tokens != plain_tokens and temp == 0 and at_a_tie(model, prompt, plain_tokens, tokens):
                         row.ties += 1

@@ -102,30 +102,30 @@ class Costs:
     """Measured whole-round times at one batch size, by K, and where its decoding stands."""
 
     times: dict[int, deque] = field(default_factory=dict)  # K -> the last RECENT rounds' seconds
-    rough: float | None = None  # a plain round that was not queued: T(0) until a queued one is measured
     switch: float | None = None  # what a switch round costs beyond its K's round (seconds, running mean)
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
 
     def seconds(self, k: int) -> float:
-        """T(K), measured; a K not measured below one that is, as cheap as it may be (a round of K costs no
-        less than a shorter one: what it costs is soon measured); past those measured, off the line
-        through them (before two are, a plain round growing SLOPE a token). Before anything is measured,
-        in plain rounds."""
-        plain = statistics.median(self.times[0]) if self.times.get(0) else self.rough or 1.0
+        """T(K): the median of its rounds, once TRUSTED are measured; else as cheap as it may be (a round of K
+        costs no less than a shorter one, nor than the least of its own few rounds: soon measured); past the
+        lengths measured, off the line through them (before two are, a plain round growing SLOPE a token).
+        Before anything is measured, in plain rounds."""
+        plain = statistics.median(self.times[0]) if self.times.get(0) else 1.0
         measured = {j: statistics.median(t) for j, t in self.times.items() if j and len(t) >= TRUSTED}
         measured[0] = plain
         if k in measured:
             return measured[k]
+        least = min(self.times.get(k) or [0.0])
         top = max(measured)
         if k < top:
-            return max(t for j, t in measured.items() if j < k)
+            return max(least, *(t for j, t in measured.items() if j < k))
         if len(measured) < 3:
-            return measured[top] + SLOPE * plain * (k - top)
+            return max(least, measured[top] + SLOPE * plain * (k - top))
         drafted = {j: t for j, t in measured.items() if j}
         mk, mt = statistics.mean(drafted), statistics.mean(drafted.values())
         slope = sum((j - mk) * (t - mt) for j, t in drafted.items()) / sum((j - mk) ** 2 for j in drafted)
-        return measured[top] + max(slope, 0.0) * (k - top)
+        return max(least, measured[top] + max(slope, 0.0) * (k - top))
 
 
 @dataclass
@@ -191,8 +191,8 @@ class Policy:
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self.costs.setdefault(len(keys), Costs())
-        if c.times and not (c.times.get(0) or c.rough):  # a first round drafts on what is assumed; then
-            return Decision(0, "measuring a plain round")  # a plain round, what every K is weighed against
+        if c.times and not c.times.get(0):  # a first round drafts on what is assumed; then plain rounds
+            return Decision(0, "measuring plain rounds")  # going on, what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for key, d, on in zip(keys, drafters, drafts):
             if on:
@@ -230,10 +230,8 @@ class Policy:
             # costs beyond its K's round (a K not measured yet takes all of it)
             extra = max(seconds - statistics.median(c.times[k]), 0.0)
             c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
-        elif k or steady:
-            c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)
-        else:
-            c.rough = seconds
+        elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
+            c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
         for key, k, n in zip(keys, ks, accepted):
             if k:

@@ -46,13 +46,13 @@ def test_decoding_speed_counts_the_tokens_after_the_first_event(monkeypatch):
 
     for first in (1, 4):
         now[0] = 0.0
-        prompt_tps, decode_tps, tokens = bench.time_run(events(first), n_prompt=10, max_tokens=100)
+        prompt_tps, decode_tps, tokens, _ = bench.time_run(events(first), n_prompt=10, max_tokens=100)
         assert len(tokens) == first + 8 and decode_tps == 8 / 4
 
 
 def test_the_bandwidth_bound_is_a_streaming_read_and_absent_in_cache():
-    """The probe reads as decoding does (a matrix-vector product), from a matrix larger than the caches;
-    weights that fit in the caches read faster than that, and get no bound."""
+    """The probe reads as decoding does (a row times each weight matrix, transposed), from more than the
+    caches hold; weights that fit in the caches read faster than that, and get no bound."""
     from mlx_spec.bench import STREAMING_BYTES, bandwidth_bound
 
     streaming, bound = bandwidth_bound(4 * STREAMING_BYTES)
