@@ -223,7 +223,7 @@ class Decoder:
         keys, drafters = [r.key for r in rows], [r.drafter for r in rows]
         rooms = [r.max_tokens - r.produced - 2 for r in rows]
         self.queued = None
-        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)):
+        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)) and not self.policy.last.alone:
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
         tokens, odds, asked = host.read(y, odds, asked)  # the round's one wait
@@ -234,8 +234,9 @@ class Decoder:
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic,
                                       logprobs=read_logprobs(asked, b, [0], [token]), why=why)
         odds = odds if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
-        # What drafting must beat is plain decoding going on: a round queued that queues the next.
-        steady = queued and self.queued is not None
+        # What drafting must beat is plain decoding going on: a round queued that queues the next (or one
+        # neither queued nor queuing: alone); the first of a run of them also queued the next, the last's ran before.
+        steady = queued == (self.queued is not None)
         end = time.perf_counter()
         for e in events.values():
             e.host_time = end - toc

@@ -11,16 +11,18 @@ host's work. The policy picks the K with the most tokens a second,
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at
-all). T_B(K) is the median of the last rounds at K; a K not measured is read off the line through the
-K that are (a verification costs a step over a plain one, then little per token on a GPU and more on a
-CPU; drafting adds its cost per token), or, before two are, off a plain round growing SLOPE a token.
-The first drafting round after plain ones is a switch (the drafter catches up on what it missed): its
-extra time is what starting costs, weighed by the probes, not what drafting goes on costing.
+all). T_B(K) is the median of the last rounds at K, or off the line through the K measured (a
+verification costs a step over a plain one, then little per token on a GPU and more on a CPU; drafting
+adds its cost per token); before two are, a drafted token adds SLOPE plain rounds. Plain rounds are
+timed where plain decoding goes on (each queues the next). The first drafting round after plain ones
+is a switch (the drafter catches up on what it missed): its extra time is what starting costs,
+weighed by the probes, not what drafting costs.
 
-Exploration: a row decoding plainly learns nothing of its drafts, so now and then it probes, one round
-at K*, spaced so that what probes are expected to lose stays EXPLORE of plain decoding's time (the
-further apart the more a probe loses). A drafter that guesses its first token on the host (prompt
-lookup, suffix decoding) needs no probe: each plain round tells the odds its guess had.
+Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its
+drafter's pool (a bad patch passes), and now and then it probes: a round at its best drafting K,
+spaced so that what probes are expected to lose stays EXPLORE of plain decoding's time. A drafter that
+guesses its first token on the host (prompt lookup, suffix decoding) needs no probe: each plain round
+tells the odds its guess had.
 
 `choose` is called before a round, and has no effect (the decoder also asks it whether the next round
 will be plain, to queue it); `record` after it, with what the round gave. `explain` says why.
@@ -39,8 +41,8 @@ from mlx_spec.sampling import SamplingParams
 PRIOR = 0.6  # acceptance of a position nothing is known of: a drafter is tried first (its rounds soon say)
 DECAY = 0.9  # a row's acceptance: weight of the past a round (its text changes within a few dozen tokens)
 POOL_DECAY = 0.99  # its drafter's, pooled over its rows and sequences: what a new row starts from
-RECENT = 8  # round times kept per K: their median is the estimate (single rounds spike: a new shape compiles,
-TRUSTED = 3  # the machine hiccups), trusted once there are this many
+RECENT = 8  # round times kept per K: their median is the estimate (a round spikes where a shape compiles)
+TRUSTED = 3  # rounds at a K before their median stands for it (one spike among them is outvoted)
 SLOPE = 0.1  # what a drafted token adds to a round, in plain rounds, until two lengths are measured
 MARGIN = 1.05  # more throughput drafting must promise to start (a switch costs; estimates are noisy)
 EXPLORE = 0.01  # share of plain decoding's time that probes may be expected to lose
@@ -48,9 +50,7 @@ EXPLORE = 0.01  # share of plain decoding's time that probes may be expected to 
 
 def expected_tokens(alpha: float, k: float) -> float:
     """Tokens a round of k drafts yields when each is accepted with probability alpha: 1 + alpha + ... + alpha^k."""
-    if alpha >= 1:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 @dataclass
@@ -74,14 +74,12 @@ class Acceptance:
         return out
 
     def fade(self, decay: float) -> None:
-        self.accepted = [a * decay for a in self.accepted]
-        self.reached = [r * decay for r in self.reached]
+        self.accepted, self.reached = [a * decay for a in self.accepted], [r * decay for r in self.reached]
 
     def update(self, k: int, n: float, decay: float) -> None:
         """A round of k drafts kept n; n is fractional for a guess's odds (k = 1)."""
-        while len(self.reached) < k:
-            self.accepted.append(0.0)
-            self.reached.append(0.0)
+        grow = [0.0] * (k - len(self.reached))
+        self.accepted, self.reached = self.accepted + grow, self.reached + grow
         self.fade(decay)
         for i in range(min(k, int(n) + 1)):  # position i is reached when the i before it were kept
             self.reached[i] += 1
@@ -105,27 +103,26 @@ class Costs:
     switch: float | None = None  # what a switch round costs beyond its K's round (seconds, running mean)
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
+    probes: int = 0  # drafting runs started after plain rounds, less the rounds they went on
 
     def seconds(self, k: int) -> float:
-        """T(K): the median of its rounds, once TRUSTED are measured; else as cheap as it may be (a round of K
-        costs no less than a shorter one, nor than the least of its own few rounds: soon measured); past the
-        lengths measured, off the line through them (before two are, a plain round growing SLOPE a token).
-        Before anything is measured, in plain rounds."""
+        """T(K): the median of its rounds, once TRUSTED are measured; else off the line through the lengths
+        measured (each weighed by its rounds), or, before two are, the one measured (or a plain round)
+        growing SLOPE plain rounds a token. Before anything is measured, in plain rounds."""
         plain = statistics.median(self.times[0]) if self.times.get(0) else 1.0
-        measured = {j: statistics.median(t) for j, t in self.times.items() if j and len(t) >= TRUSTED}
-        measured[0] = plain
-        if k in measured:
-            return measured[k]
-        least = min(self.times.get(k) or [0.0])
-        top = max(measured)
-        if k < top:
-            return max(least, *(t for j, t in measured.items() if j < k))
-        if len(measured) < 3:
-            return max(least, measured[top] + SLOPE * plain * (k - top))
-        drafted = {j: t for j, t in measured.items() if j}
-        mk, mt = statistics.mean(drafted), statistics.mean(drafted.values())
-        slope = sum((j - mk) * (t - mt) for j, t in drafted.items()) / sum((j - mk) ** 2 for j in drafted)
-        return max(least, measured[top] + max(slope, 0.0) * (k - top))
+        if k == 0:
+            return plain
+        if len(self.times.get(k, ())) >= TRUSTED:
+            return statistics.median(self.times[k])
+        drafted = {j: (statistics.median(t), len(t)) for j, t in self.times.items() if j}
+        if len(drafted) < 2:
+            j, (t, _) = next(iter(drafted.items()), (0, (plain, 0)))
+            return max(t + SLOPE * plain * (k - j), plain)
+        n = sum(w for _, w in drafted.values())
+        mk, mt = sum(j * w for j, (_, w) in drafted.items()) / n, sum(t * w for t, w in drafted.values()) / n
+        slope = sum(w * (j - mk) * (t - mt) for j, (t, w) in drafted.items()) / \
+            sum(w * (j - mk) ** 2 for j, (_, w) in drafted.items())
+        return max(mt + max(slope, 0.0) * (k - mk), plain)
 
 
 @dataclass
@@ -134,17 +131,16 @@ class Decision:
 
     k: int
     reason: str
+    alone: bool = False  # a plain round to time alone: the next one is not queued behind it
     weighed: int = 0  # the K whose figures say why (the best drafting one, where the round is plain)
     tokens: list[float] = field(default_factory=list)  # E(K) summed over the rows, K = 0..most
     seconds: list[float] = field(default_factory=list)  # T(K)
 
     def __str__(self) -> str:
-        if not self.seconds:
-            return f"K={self.k}: {self.reason}"
-        k, t = self.weighed, self.seconds
-        gain = self.tokens[k] / t[k] / (self.tokens[0] / t[0])
-        return (f"K={self.k}: {self.reason} (K={k} expects {self.tokens[k]:.2f} tokens in {t[k] / t[0]:.2f} plain "
-                f"rounds: {gain:.2f}x plain decoding)")
+        k, e, t = self.weighed, self.tokens, self.seconds
+        figures = (f" (K={k} expects {e[k]:.2f} tokens in {t[k] / t[0]:.2f} plain rounds: "
+                   f"{e[k] / t[k] / (e[0] / t[0]):.2f}x plain decoding)") if t else ""
+        return f"K={self.k}: {self.reason}{figures}"
 
 
 class Policy:
@@ -174,7 +170,7 @@ class Policy:
         self.owner.pop(key, None)
 
     def explain(self) -> str:
-        return str(self.last) if self.last else ""
+        return str(self.last or "")
 
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
@@ -191,8 +187,8 @@ class Policy:
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self.costs.setdefault(len(keys), Costs())
-        if c.times and not c.times.get(0):  # a first round drafts on what is assumed; then plain rounds
-            return Decision(0, "measuring plain rounds")  # going on, what every K is weighed against
+        if c.times and not c.times.get(0):  # a first round drafts on what is assumed, then a plain one
+            return Decision(0, "timing a plain round", alone=True)  # is timed, what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for key, d, on in zip(keys, drafters, drafts):
             if on:
@@ -201,16 +197,18 @@ class Policy:
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
         if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):
-            return Decision(best, "drafting pays", best, tokens, seconds)
+            return Decision(best, "drafting pays", False, best, tokens, seconds)
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
-            return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
-        # A probe loses what the round costs beyond the tokens it brings, and the switch.
+            return Decision(0, "drafting does not pay; plain rounds weigh the guesses", False, best, tokens, seconds)
+        # A probe loses what its round costs beyond the tokens it brings, and the switch; probes go further apart
+        # from one round (a first one that failed tells little), doubling, to where they lose EXPLORE.
         loss = max(seconds[best] + (c.switch or 0.0) - tokens[best] / tokens[0] * seconds[0], 0.0)
-        every = max(1, round(loss / (EXPLORE * seconds[0])))
+        every = min(2**c.probes, max(1, round(loss / (EXPLORE * seconds[0]))))
         if c.plain_rounds >= every:
-            return Decision(best, f"a probe, every {every} plain rounds", best, tokens, seconds)
-        return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", best, tokens, seconds)
+            return Decision(best, f"a probe, every {every} plain rounds", False, best, tokens, seconds)
+        return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", False, best, tokens,
+                        seconds)
 
     def _rates(self, key, drafter, most: int) -> list[float]:
         """A row's a_0..a_{most-1}, against its drafter's pool."""
@@ -220,18 +218,19 @@ class Policy:
     def record(self, keys: list, ks: list[int], accepted: list[int], seconds: float, steady: bool = True,
                odds: dict | None = None) -> None:
         """A round's outcome: each row's K and drafts kept (a tree: its depth, the path's length), in
-        `seconds` (drafting, verification and the host's work); `steady`: a plain round queued that
-        queued the next (plain decoding going on, what drafting must beat); `odds`: row key -> the
+        `seconds` (drafting, verification and the host's work); `steady`: a plain round that is what
+        plain decoding costs (queued and queuing the next, or neither); `odds`: row key -> the
         probability the target gave the token its drafter guessed, in a plain round."""
         c = self.costs.setdefault(len(keys), Costs())
         k = max(ks)
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
-        if len(c.times.get(k, ())) >= TRUSTED and not c.drafting and c.plain_rounds:  # a switch: what it
-            # costs beyond its K's round (a K not measured yet takes all of it)
-            extra = max(seconds - statistics.median(c.times[k]), 0.0)
+        if len(c.times.get(k, ())) >= TRUSTED and not c.drafting and c.plain_rounds:  # a switch: its extra
+            extra = max(seconds - statistics.median(c.times[k]), 0.0)  # (at a K not measured, all its time)
             c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
+        if k:  # a drafting run that goes on wins back what its probes learned, a round at a time
+            c.probes = max(c.probes - 1, 0) if c.drafting else c.probes + 1
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
         for key, k, n in zip(keys, ks, accepted):
             if k:
