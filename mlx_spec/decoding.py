@@ -3,7 +3,7 @@
     K per row      <- the policy (acceptance, measured costs)
     drafts         <- each drafter, for all its rows in one forward
     verification   <- one target forward over every row's draft (padded)
-    accept         <- one evaluation for the whole batch (chain/tree x greedy/sampled/typical)
+    accept         <- built with the verification; the round's one wait on the device reads every verdict
     cut            <- each row's cache keeps exactly what it accepted
     commit         <- each drafter hears its rows' accepted tokens and features
     events         <- one `StepEvent` per row (log-probabilities for the rows that asked)

@@ -11,21 +11,19 @@ host's work. The policy picks the K with the most tokens a second,
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at
-all). T_B(K) is the median of the last rounds at K, or off the line through the K measured (a
-verification costs a step over a plain one, then little per token on a GPU and more on a CPU; drafting
-adds its cost per token); before two are, a drafted token adds SLOPE plain rounds. Plain rounds are
-timed where plain decoding goes on (each queues the next). The first drafting round after plain ones
-is a switch (the drafter catches up on what it missed): its extra time is what starting costs,
-weighed by the probes, not what drafting costs.
+all). T_B(K) is the median of the last rounds at K, or off the line through the K measured (a GPU's
+verification steps up from one token to two, then rises little; a CPU's rises); before two are, a
+drafted token adds SLOPE plain rounds. A batch size met first borrows the nearest one's times. Plain
+rounds are timed where plain decoding goes on (each queues the next). The first drafting round after
+plain ones is a switch (its drafter catches up): its extra time is what probes weigh.
 
 Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its
-drafter's pool (a bad patch passes), and now and then it probes: a round at its best drafting K,
-spaced so that what probes are expected to lose stays EXPLORE of plain decoding's time. A drafter that
-guesses its first token on the host (prompt lookup, suffix decoding) needs no probe: each plain round
-tells the odds its guess had.
+drafter's pool (a bad patch passes), and now and then it probes at its best drafting K, the probes
+doubling apart up to where they are expected to lose EXPLORE of plain decoding's time. Prompt lookup
+and suffix decoding need none: each plain round tells the odds their guess had (`record`'s `odds`).
 
-`choose` is called before a round, and has no effect (the decoder also asks it whether the next round
-will be plain, to queue it); `record` after it, with what the round gave. `explain` says why.
+`choose` comes before a round, with no effect (the decoder also asks it whether the next round will be
+plain, to queue it); `record` after it. `last` is the decision, which says why.
 """
 
 from __future__ import annotations
@@ -64,13 +62,10 @@ class Acceptance:
         """a_0..a_{k-1}: each position's counts against `prior` (the pool's rates), weighing one round;
         without one, against the rate before it (the first against PRIOR): a position seldom reached is
         taken as the one before it."""
-        out, before = [], PRIOR
+        out = []
         for i in range(k):
-            p = prior[i] if prior else before
-            if i < len(self.reached):
-                p = (self.accepted[i] + p) / (self.reached[i] + 1)
-            out.append(p)
-            before = p
+            p = prior[i] if prior else (out[-1] if out else PRIOR)
+            out.append((self.accepted[i] + p) / (self.reached[i] + 1) if i < len(self.reached) else p)
         return out
 
     def fade(self, decay: float) -> None:
@@ -104,25 +99,29 @@ class Costs:
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
     probes: int = 0  # drafting runs started after plain rounds, less the rounds they went on
+    timed: bool = False  # a plain round of its own was timed (a batch size met first borrows another's times)
 
     def seconds(self, k: int) -> float:
-        """T(K): the median of its rounds, once TRUSTED are measured; else off the line through the lengths
-        measured (each weighed by its rounds), or, before two are, the one measured (or a plain round)
-        growing SLOPE plain rounds a token. Before anything is measured, in plain rounds."""
+        """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths measured
+        (with plain rounds, K = 0), linearly between two, and past the longest along the line through
+        them (weighed by their rounds; one: SLOPE plain rounds a token). Before anything, in plain rounds."""
         plain = statistics.median(self.times[0]) if self.times.get(0) else 1.0
-        if k == 0:
-            return plain
-        if len(self.times.get(k, ())) >= TRUSTED:
-            return statistics.median(self.times[k])
-        drafted = {j: (statistics.median(t), len(t)) for j, t in self.times.items() if j}
+        points = {0: (plain, 1), **{j: (statistics.median(t), len(t)) for j, t in self.times.items() if j}}
+        if k in points and (k == 0 or points[k][1] >= TRUSTED):
+            return points[k][0]
+        points.pop(k, None)  # (its own few rounds are read with the others, on the line)
+        below, above = max(j for j in points if j < k), min((j for j in points if j > k), default=None)
+        if above is not None:
+            (t0, _), (t1, _) = points[below], points[above]
+            return t0 + (t1 - t0) * (k - below) / (above - below)
+        drafted = {j: tw for j, tw in points.items() if j}
         if len(drafted) < 2:
-            j, (t, _) = next(iter(drafted.items()), (0, (plain, 0)))
-            return max(t + SLOPE * plain * (k - j), plain)
+            return points[below][0] + SLOPE * plain * (k - below)
         n = sum(w for _, w in drafted.values())
         mk, mt = sum(j * w for j, (_, w) in drafted.items()) / n, sum(t * w for t, w in drafted.values()) / n
         slope = sum(w * (j - mk) * (t - mt) for j, (t, w) in drafted.items()) / \
             sum(w * (j - mk) ** 2 for j, (_, w) in drafted.items())
-        return max(mt + max(slope, 0.0) * (k - mk), plain)
+        return max(points[below][0] + max(slope, 0.0) * (k - below), plain)
 
 
 @dataclass
@@ -131,10 +130,10 @@ class Decision:
 
     k: int
     reason: str
-    alone: bool = False  # a plain round to time alone: the next one is not queued behind it
     weighed: int = 0  # the K whose figures say why (the best drafting one, where the round is plain)
     tokens: list[float] = field(default_factory=list)  # E(K) summed over the rows, K = 0..most
     seconds: list[float] = field(default_factory=list)  # T(K)
+    alone: bool = False  # a plain round to time alone: the next one is not queued behind it
 
     def __str__(self) -> str:
         k, e, t = self.weighed, self.tokens, self.seconds
@@ -169,9 +168,6 @@ class Policy:
         self.rows.pop(key, None)
         self.owner.pop(key, None)
 
-    def explain(self) -> str:
-        return str(self.last or "")
-
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
         drafter has nothing to draft this round). No effect: asking again gives the same answer."""
@@ -186,9 +182,9 @@ class Policy:
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
-        c = self.costs.setdefault(len(keys), Costs())
-        if c.times and not c.times.get(0):  # a first round drafts on what is assumed, then a plain one
-            return Decision(0, "timing a plain round", alone=True)  # is timed, what every K is weighed against
+        c = self._costs(len(keys))
+        if c.switch is not None and not c.timed:  # a first round drafts on what is assumed, then a plain
+            return Decision(0, "timing a plain round", alone=True)  # one is timed: what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for key, d, on in zip(keys, drafters, drafts):
             if on:
@@ -197,18 +193,24 @@ class Policy:
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
         if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):
-            return Decision(best, "drafting pays", False, best, tokens, seconds)
+            return Decision(best, "drafting pays", best, tokens, seconds)
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
-            return Decision(0, "drafting does not pay; plain rounds weigh the guesses", False, best, tokens, seconds)
+            return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
         # A probe loses what its round costs beyond the tokens it brings, and the switch; probes go further apart
         # from one round (a first one that failed tells little), doubling, to where they lose EXPLORE.
         loss = max(seconds[best] + (c.switch or 0.0) - tokens[best] / tokens[0] * seconds[0], 0.0)
         every = min(2**c.probes, max(1, round(loss / (EXPLORE * seconds[0]))))
         if c.plain_rounds >= every:
-            return Decision(best, f"a probe, every {every} plain rounds", False, best, tokens, seconds)
-        return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", False, best, tokens,
-                        seconds)
+            return Decision(best, f"a probe, every {every} plain rounds", best, tokens, seconds)
+        return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", best, tokens, seconds)
+
+    def _costs(self, B: int) -> Costs:
+        """Batch size B's; one met first starts from the nearest measured, a round at each K (soon outvoted)."""
+        if B not in self.costs and self.costs:
+            near = self.costs[min(self.costs, key=lambda b: abs(b - B) / b)]
+            self.costs[B] = Costs({k: deque([statistics.median(t)], maxlen=RECENT) for k, t in near.times.items()})
+        return self.costs.setdefault(B, Costs())
 
     def _rates(self, key, drafter, most: int) -> list[float]:
         """A row's a_0..a_{most-1}, against its drafter's pool."""
@@ -221,14 +223,15 @@ class Policy:
         `seconds` (drafting, verification and the host's work); `steady`: a plain round that is what
         plain decoding costs (queued and queuing the next, or neither); `odds`: row key -> the
         probability the target gave the token its drafter guessed, in a plain round."""
-        c = self.costs.setdefault(len(keys), Costs())
+        c = self._costs(len(keys))
         k = max(ks)
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
-        if len(c.times.get(k, ())) >= TRUSTED and not c.drafting and c.plain_rounds:  # a switch: its extra
-            extra = max(seconds - statistics.median(c.times[k]), 0.0)  # (at a K not measured, all its time)
+        if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time
+            extra = max(seconds - c.seconds(k), 0.0)
             c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
+            c.timed = c.timed or not k
         if k:  # a drafting run that goes on wins back what its probes learned, a round at a time
             c.probes = max(c.probes - 1, 0) if c.drafting else c.probes + 1
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
