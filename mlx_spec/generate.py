@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import mlx.core as mx
 
@@ -14,7 +14,9 @@ from mlx_spec.metrics import StepEvent
 from mlx_spec.metrics import Metrics
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.tokenizer import TokenizerWrapper
+
+if TYPE_CHECKING:
+    from mlx_spec.tokenizer import TokenizerWrapper
 
 Steps = Callable[[Model, list[int], SamplingParams, int], Iterator[StepEvent]]
 

@@ -11,11 +11,13 @@ host's work. The policy picks the K with the most tokens a second,
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at
-all). T_B(K) is the median of the last rounds at K, or off the line through the K measured (a GPU's
-verification steps up from one token to two, then rises little; a CPU's rises); before two are, a
-drafted token adds SLOPE plain rounds. A batch size met first borrows the nearest one's times. Plain
-rounds are timed where plain decoding goes on (each queues the next). The first drafting round after
-plain ones is a switch (its drafter catches up): its extra time is what probes weigh.
+all). T_B(K) is the median of the last rounds at K; a K measured less is read linearly between the
+lengths measured (a GPU's verification steps up from one token to two, then rises little; a CPU's
+rises, with dips where its kernels' tiles fall: each K that would pay is run once), and past them
+along their line (before two are, a drafted token adds SLOPE plain rounds). A batch size met first
+borrows the nearest one's times. Plain rounds are timed where plain decoding goes on (each queues the
+next). The first drafting round after plain ones is a switch (its drafter catches up): its extra time
+is what probes weigh.
 
 Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its
 drafter's pool (a bad patch passes), and now and then it probes at its best drafting K, the probes
@@ -23,15 +25,18 @@ doubling apart up to where they are expected to lose EXPLORE of plain decoding's
 and suffix decoding need none: each plain round tells the odds their guess had (`record`'s `odds`).
 
 `choose` comes before a round, with no effect (the decoder also asks it whether the next round will be
-plain, to queue it); `record` after it. `last` is the decision, which says why.
-"""
+plain, to queue it); `record` after it. `last` is the decision, which says why."""
 
 from __future__ import annotations
 
+import operator
 import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
+
+import numpy as np
 
 from mlx_spec import distributed
 from mlx_spec.sampling import SamplingParams
@@ -82,12 +87,8 @@ class Acceptance:
 
 
 def tokens_by_k(rates: list[float]) -> list[float]:
-    """E(K) for K = 0..len(rates)."""
-    out, reach = [1.0], 1.0
-    for a in rates:
-        reach *= a
-        out.append(out[-1] + reach)
-    return out
+    """E(K) for K = 0..len(rates): one, and the running sum of the running products of the rates."""
+    return list(accumulate(accumulate(rates, operator.mul), initial=1.0))
 
 
 @dataclass
@@ -109,19 +110,17 @@ class Costs:
         points = {0: (plain, 1), **{j: (statistics.median(t), len(t)) for j, t in self.times.items() if j}}
         if k in points and (k == 0 or points[k][1] >= TRUSTED):
             return points[k][0]
-        points.pop(k, None)  # (its own few rounds are read with the others, on the line)
+        own = points.pop(k, (float("inf"), 0))[0]  # its few rounds say where it is cheaper (a spike is dearer)
         below, above = max(j for j in points if j < k), min((j for j in points if j > k), default=None)
         if above is not None:
             (t0, _), (t1, _) = points[below], points[above]
-            return t0 + (t1 - t0) * (k - below) / (above - below)
-        drafted = {j: tw for j, tw in points.items() if j}
-        if len(drafted) < 2:
-            return points[below][0] + SLOPE * plain * (k - below)
-        n = sum(w for _, w in drafted.values())
-        mk, mt = sum(j * w for j, (_, w) in drafted.items()) / n, sum(t * w for t, w in drafted.values()) / n
-        slope = sum(w * (j - mk) * (t - mt) for j, (t, w) in drafted.items()) / \
-            sum(w * (j - mk) ** 2 for j, (_, w) in drafted.items())
-        return max(points[below][0] + max(slope, 0.0) * (k - below), plain)
+            line = t0 + (t1 - t0) * (k - below) / (above - below)
+        elif len(points) < 3:
+            line = points[below][0] + SLOPE * plain * (k - below)
+        else:  # the least-squares slope of the lengths measured, each weighed by its rounds
+            js, ts, ns = zip(*((j, t, n) for j, (t, n) in points.items() if j))
+            line = points[below][0] + max(np.polyfit(js, ts, 1, w=np.sqrt(ns))[0], 0.0) * (k - below)
+        return min(own, max(line, plain))
 
 
 @dataclass
@@ -137,9 +136,8 @@ class Decision:
 
     def __str__(self) -> str:
         k, e, t = self.weighed, self.tokens, self.seconds
-        figures = (f" (K={k} expects {e[k]:.2f} tokens in {t[k] / t[0]:.2f} plain rounds: "
-                   f"{e[k] / t[k] / (e[0] / t[0]):.2f}x plain decoding)") if t else ""
-        return f"K={self.k}: {self.reason}{figures}"
+        return f"K={self.k}: {self.reason}" + (f" (K={k} expects {e[k]:.2f} tokens in {t[k] / t[0]:.2f} plain rounds: "
+                                               f"{e[k] / t[k] / (e[0] / t[0]):.2f}x plain decoding)" if t else "")
 
 
 class Policy:
@@ -160,13 +158,13 @@ class Policy:
         if drafter is None:
             return cls(k_max, fixed)
         policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
-        policy.rows.clear()
-        policy.owner.clear()
+        for table in (policy.rows, policy.owner):
+            table.clear()
         return policy
 
     def forget(self, key) -> None:
-        self.rows.pop(key, None)
-        self.owner.pop(key, None)
+        for table in (self.rows, self.owner):
+            table.pop(key, None)
 
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
@@ -186,19 +184,20 @@ class Policy:
         if c.switch is not None and not c.timed:  # a first round drafts on what is assumed, then a plain
             return Decision(0, "timing a plain round", alone=True)  # one is timed: what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
-        for key, d, on in zip(keys, drafters, drafts):
-            if on:
-                tokens = [a + b for a, b in zip(tokens, tokens_by_k(self._rates(key, d, most)))]
+        for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
+            tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
         seconds = [c.seconds(k) for k in range(most + 1)]
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
-        if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):
-            return Decision(best, "drafting pays", best, tokens, seconds)
+        if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run that would pay is tried
+            untried = [j for j in range(1, most + 1) if j not in c.times and rate[j] > rate[0] and c.drafting]
+            k = max(untried, key=rate.__getitem__, default=best)  # once: a dip the line misses, where tiles fall)
+            return Decision(k, "drafting pays" + "; trying a length not run yet" * (k != best), k, tokens, seconds)
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
             return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
-        # A probe loses what its round costs beyond the tokens it brings, and the switch; probes go further apart
-        # from one round (a first one that failed tells little), doubling, to where they lose EXPLORE.
+        # A probe loses its round's time beyond the tokens it brings, and the switch; probes go further apart from
+        # one round (a first one that failed tells little), doubling, to where they lose EXPLORE.
         loss = max(seconds[best] + (c.switch or 0.0) - tokens[best] / tokens[0] * seconds[0], 0.0)
         every = min(2**c.probes, max(1, round(loss / (EXPLORE * seconds[0]))))
         if c.plain_rounds >= every:
@@ -212,17 +211,15 @@ class Policy:
             self.costs[B] = Costs({k: deque([statistics.median(t)], maxlen=RECENT) for k, t in near.times.items()})
         return self.costs.setdefault(B, Costs())
 
-    def _rates(self, key, drafter, most: int) -> list[float]:
-        """A row's a_0..a_{most-1}, against its drafter's pool."""
+    def _rates(self, key, drafter, most: int) -> list[float]:  # a row's, against its drafter's pool
         pool = self.pooled.setdefault(self.owner.setdefault(key, id(drafter.lineage)), Acceptance())
         return self.rows.setdefault(key, Acceptance()).rates(most, pool.rates(most))
 
     def record(self, keys: list, ks: list[int], accepted: list[int], seconds: float, steady: bool = True,
                odds: dict | None = None) -> None:
-        """A round's outcome: each row's K and drafts kept (a tree: its depth, the path's length), in
-        `seconds` (drafting, verification and the host's work); `steady`: a plain round that is what
-        plain decoding costs (queued and queuing the next, or neither); `odds`: row key -> the
-        probability the target gave the token its drafter guessed, in a plain round."""
+        """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all
+        of it); `steady`: a plain round that is what plain decoding costs (queued and queuing the next, or
+        neither); `odds`: row key -> the target's probability of the token its drafter guessed."""
         c = self._costs(len(keys))
         k = max(ks)
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
@@ -232,7 +229,7 @@ class Policy:
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
             c.timed = c.timed or not k
-        if k:  # a drafting run that goes on wins back what its probes learned, a round at a time
+        if k:  # a drafting run that goes on wins back, a round at a time, what its probes learned
             c.probes = max(c.probes - 1, 0) if c.drafting else c.probes + 1
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
         for key, k, n in zip(keys, ks, accepted):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
-
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.tokenizer_utils import load as _load
+from typing import TYPE_CHECKING, Iterable
 
 from mlx_spec.errors import UserError
+
+if TYPE_CHECKING:  # mlx-lm's tokenizers bring transformers, a second to import: not for a run that ends in an error
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def load_tokenizer(path: Path | str, eos_token_ids: Iterable[int] = ()) -> TokenizerWrapper:
@@ -16,8 +16,10 @@ def load_tokenizer(path: Path | str, eos_token_ids: Iterable[int] = ()) -> Token
     path = Path(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise UserError(f"{path}: no tokenizer (tokenizer.json or tokenizer.model)")
+    from mlx_lm.tokenizer_utils import load
+
     try:
-        return _load(path, eos_token_ids=list(eos_token_ids) or None)
+        return load(path, eos_token_ids=list(eos_token_ids) or None)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: tokenizer failed to load ({e})".splitlines()[0]) from None
 

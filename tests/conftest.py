@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("MLX_SPEC_NO_OPENBLAS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Two test workers share the cores: pinning each process's threads (meant for one process alone) would put
+# both workers' compute on the same core.
+os.environ.setdefault("MLX_SPEC_NO_PIN", "1")
 
 import pytest  # noqa: E402
 

@@ -163,6 +163,14 @@ def test_medusa_greedy_is_token_identical_to_plain(target, tree_args):
 # --- exact sampling on trees -----------------------------------------------------
 
 
+RNG = np.random.default_rng(0)  # the trees' draws, one stream for all the samples
+
+
+def draw(lp: np.ndarray) -> int:
+    p = np.exp(lp)
+    return int(RNG.choice(len(p), p=p / p.sum()))
+
+
 class SampledTree(HostDrafter):
     """Two children per node, two levels, drawn from a draft model.
 
@@ -170,29 +178,32 @@ class SampledTree(HostDrafter):
     sibling from p without the first (its log_probs say so); `sample=False`:
     the draft's top-2, deterministic (p one-hot)."""
 
-    def __init__(self, draft, replace=True, sample=True):
+    def __init__(self, draft, replace=True, sample=True, cache=None):
         super().__init__()
         self.draft, self.replace, self.sample = draft, replace, sample
+        self.cache = {} if cache is None else cache  # (context, params) -> the draft's log-probs: it is a function
 
     def _session(self):
-        return SampledTree(self.draft, self.replace, self.sample)
+        return SampledTree(self.draft, self.replace, self.sample, self.cache)
 
     def _p(self, context, params):
-        logits, _ = self.draft(mx.array([context]))
-        return log_probs(logits[0, -1], params)  # [V]
+        key = (tuple(context), params)
+        if key not in self.cache:
+            logits, _ = self.draft(mx.array([context]))
+            self.cache[key] = np.array(log_probs(logits[0, -1], params), dtype=np.float64)  # [V]
+        return self.cache[key]
 
     def _children(self, context, params):
         lp = self._p(context, params)
         if not self.sample:
-            top = mx.argsort(-lp)[:2].tolist()
-            return top, None
-        first = mx.random.categorical(lp).item()
+            return np.argsort(-lp)[:2].tolist(), None
+        first = draw(lp)
         second_lp = lp
         if not self.replace:
-            second_lp = mx.where(mx.arange(lp.shape[0]) == first, -mx.inf, lp)
-            second_lp = second_lp - mx.logsumexp(second_lp)
-        second = mx.random.categorical(second_lp).item()
-        return [first, second], [lp, second_lp]
+            second_lp = np.where(np.arange(len(lp)) == first, -np.inf, lp)
+            second_lp = second_lp - np.logaddexp.reduce(second_lp)
+        second = draw(second_lp)
+        return [first, second], [mx.array(lp, dtype=mx.float32), mx.array(second_lp, dtype=mx.float32)]
 
     def propose_row(self, b, context, k, params):
         tokens, parents, dists = [], [], []
