@@ -106,61 +106,72 @@ def batch_sizes(value: str) -> list[int]:
 TURN = 8  # rounds a decoder runs before the other of its pair takes its turn
 
 
-def take_turns(decoders: list[Decoder], turn: int = TURN) -> list[tuple[int, int, int, float]]:
-    """Run the decoders by turns of `turn` rounds until each is done: per decoder, (tokens, rounds, tokens
-    drafted, seconds). A turn ends with the device idle (what it left in flight is its own time), so
-    two decoders taking turns share the machine's drift at the scale of a few rounds."""
+def take_turns(decoders: list[Decoder], turn: int = TURN,
+               feed: Callable[[int], bool] | None = None) -> list[tuple[int, int, int, float]]:
+    """Run the decoders by turns of `turn` rounds until each is done, or until `feed(i)`, called after each of
+    decoder i's rounds to add the rows it takes, says it stops there (the rows it has left are dropped). Per
+    decoder: (tokens, rounds, tokens drafted, seconds). A turn ends with the device idle (what it left in
+    flight is its own time), so two decoders taking turns share the machine's drift at the scale of a few rounds."""
     out = [[0, 0, 0, 0.0] for _ in decoders]
-    while any(d.rows for d in decoders):
-        for decoder, tally in zip(decoders, out):
+    going = [bool(d.rows) for d in decoders]
+    while any(going):
+        for i, (decoder, tally) in enumerate(zip(decoders, out)):
             tic = time.perf_counter()
-            for _ in range(turn):
-                if not decoder.rows:
-                    break
+            for _ in range(turn if going[i] else 0):
                 events = decoder.step()
                 tally[0] += sum(len(e.tokens) for e in events.values())
                 tally[1] += 1
                 tally[2] += max(e.depth for e in events.values())
+                going[i] = feed(i) if feed is not None else bool(decoder.rows)
+                if not going[i]:
+                    break
             mx.synchronize()
             tally[3] += time.perf_counter() - tic
+    for decoder in decoders:
+        for row in list(decoder.rows):
+            decoder.remove(row.key)
     return [tuple(t) for t in out]
 
 
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
                         temps: list[float], num_draft: dict[str, int | None] | None = None,
                         progress: "Progress | None" = None) -> list[dict]:
-    """Throughput of B sequences decoded together (`Decoder`), per batch size, temperature and method, and
-    the mean draft length the policy chose. Each method decodes the prompts once, B at a time (a batch of
-    B cycles through them, so there are at least B sequences), after a short batch that compiles the shapes
-    and measures what drafting costs at this batch size. All methods decode side by side, taking turns every
-    `TURN` rounds (`take_turns`): this machine's speed drifts within a second, and turns a few rounds long
-    share the drift. Plain decoding is measured twice (`CONTROL`): its second ratio, 1 but for the noise,
-    is how far this run can tell a method from plain decoding. `num_draft` fixes a method's K
-    (`:num-draft=K`, as in its one-sequence rows). The whole costs about as much as decoding every method's
-    tokens once."""
+    """Throughput with B sequences in flight (`Decoder`), per batch size, temperature and method, and the
+    mean draft length the policy chose. Each method decodes max(prompts, B) sequences of `n` tokens (the
+    prompts in turn), B at a time, a finished sequence replaced at once by the next, as a server keeps its
+    batch full; it is timed while B are in flight (rows that draft finish apart: a batch left to drain runs
+    at fewer rows), after a short batch that compiles the shapes and measures what drafting costs at this
+    batch size. All methods decode side by side, taking turns every `TURN` rounds (`take_turns`): this
+    machine's speed drifts within a second, and turns a few rounds long share the drift. Plain decoding is
+    measured twice (`CONTROL`): its second ratio, 1 but for the noise, is how far this run can tell a method
+    from plain decoding. `num_draft` fixes a method's K (`:num-draft=K`, as in its one-sequence rows). The
+    whole costs about as much as decoding every method's tokens once."""
     out, fixed = [], num_draft or {}
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
         methods = {name: d for name, d in {PLAIN: None, CONTROL: None, **drafters}.items()
                    if d is None or not d.one_row or B == 1}
-        decoders = {name: Decoder(model, num_draft=fixed.get(name)) for name in methods}
-        totals = {name: [0, 0, 0, 0.0] for name in methods}  # tokens, rounds, drafted, seconds
-        sequences = max(len(prompts), B)
-        for batch, start in enumerate([None, *range(0, sequences, B)]):  # the first warms up
-            for name, drafter in methods.items():
-                session = drafter.new_session() if drafter is not None else None  # (suffix decoding would
-                mx.random.seed(batch)  # otherwise recall the earlier batches' answers to the same prompts)
-                for i in range(B if start is not None else min(B, 2)):
-                    prompt = prompts[((start or 0) + i) % len(prompts)]
-                    decoders[name].add((batch, i), prompt, params, n if start is not None else 8, session)
-            results = take_turns(list(decoders.values()))
-            if start is not None:
-                for name, result in zip(decoders, results):
-                    totals[name] = [a + b for a, b in zip(totals[name], result)]
-            if progress is not None and start is not None:
-                progress.step(f"temperature {temp:g}, {B} sequences at a time", sum(r[0] for r in results))
-        plain = totals[PLAIN][0] / totals[PLAIN][3]
-        for name, (tokens, rounds, drafted, seconds) in totals.items():
+        decoders = [Decoder(model, num_draft=fixed.get(name)) for name in methods]
+        for rows, sequences, tokens in ((min(B, 2), min(B, 2), 8), (B, max(len(prompts), B), n)):  # a warm-up
+            # a session a method and run (suffix decoding would otherwise recall the warm-up's answers)
+            sessions = [d.new_session() if d is not None else None for d in methods.values()]
+            started = [0] * len(methods)
+
+            def feed(i: int) -> bool:
+                while len(decoders[i].rows) < rows and started[i] < sequences:
+                    prompt = prompts[started[i] % len(prompts)]
+                    decoders[i].add(started[i], prompt, params, tokens, sessions[i])
+                    started[i] += 1
+                return len(decoders[i].rows) == rows
+
+            for i in range(len(methods)):
+                mx.random.seed(0)
+                feed(i)
+            results = take_turns(decoders, feed=feed)
+        if progress is not None:
+            progress.step(f"temperature {temp:g}, {B} sequences at a time", sum(r[0] for r in results))
+        plain = results[0][0] / results[0][3]
+        for name, (tokens, rounds, drafted, seconds) in zip(methods, results):
             out.append({"name": name, "batch": B, "temp": temp, "tps": tokens / seconds, "mean_k": drafted / rounds,
                         "ratio_to_plain": tokens / seconds / plain})
     return out
@@ -638,7 +649,7 @@ def format_report(report: dict) -> str:
                                 f"hidden: the round took {overhead['round_ms']:.2f} ms, its verification forward of "
                                 f"{tokens} tokens alone {overhead['forward_ms']:.2f} ms"))
     for B, times in report.get("verification_ms", {}).items():
-        lines.insert(2, f"a target forward of 1, 2, ... tokens a row, {B} row{'s' * (B != 1)}: " +
+        lines.insert(2, f"a target forward of 1, 2, ... tokens a row, {B} row{'s' * (int(B) != 1)}: " +
                      " ".join(f"{ms:.1f}" for ms in times.values()) + " ms")
     rollback = report.get("rollback")
     if rollback:
@@ -663,8 +674,8 @@ def format_report(report: dict) -> str:
     if report["concurrency"]:
         sizes = sorted({r["batch"] for r in report["concurrency"]})
         lines.append("")
-        lines.append("throughput, tokens/s of all rows together, by batch size (every method decoding the prompts "
-                     "B at a time, all of them by turns; over plain decoding's; mean K drafted a round):")
+        lines.append("throughput, tokens/s of all rows together, by batch size (every method keeping B sequences in "
+                     "flight, timed while it does, all of them by turns; over plain decoding's; mean K drafted a round):")
         lines.append(f"{'':30} {'temp':>4} " + " ".join(f"{f'B={b}':>18}" for b in sizes))
         for name, temp in dict.fromkeys((r["name"], r["temp"]) for r in report["concurrency"]):
             cells = {r["batch"]: r for r in report["concurrency"] if r["name"] == name and r["temp"] == temp}
