@@ -90,3 +90,27 @@ def test_batched_rows_draft_the_k_a_method_fixes(checkpoints):
     rows = bench.measure_concurrency(model, {"fixed": itself}, [[1, 2, 3], [4, 5, 6, 7]], [2], 8,
                                      [0.0], num_draft={"fixed": 2})
     assert next(r["mean_k"] for r in rows if r["name"] == "fixed") == 5 / 3
+
+
+def test_a_batch_is_kept_full_and_timed_while_it_is(checkpoints):
+    """`measure_concurrency`'s batches: a finished sequence is replaced at once by the next (as the server keeps
+    its batch full), and the run ends when one finishes with none left to take its place: a batch left to drain
+    would be timed at fewer rows. What is left in flight then is dropped."""
+    from mlx_spec.decoding import Decoder
+    from mlx_spec.sampling import SamplingParams
+
+    model = load_model(str(checkpoints["qwen3"]))[0]
+    decoder, lengths, started, in_flight = Decoder(model), [3, 6, 4, 9], [0], []
+
+    def feed(i: int) -> bool:
+        while len(decoder.rows) < 2 and started[0] < len(lengths):
+            decoder.add(started[0], [1, 2, 3], SamplingParams(), lengths[started[0]])
+            started[0] += 1
+        in_flight.append(len(decoder.rows))
+        return len(decoder.rows) == 2
+
+    feed(0)
+    [(tokens, rounds, drafted, seconds)] = bench.take_turns([decoder], turn=3, feed=feed)
+    # rounds 1-3: sequences 0 and 1; 4-6: 1 and 2 (0 done after 3); 7: 2 and 3 (1 done after 6); 2 ends after 7
+    assert (tokens, rounds, drafted) == (14, 7, 0) and seconds > 0
+    assert in_flight == [2] * 7 + [1] and started == [4] and not decoder.rows
