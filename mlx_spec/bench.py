@@ -152,7 +152,7 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
         methods = {name: d for name, d in {PLAIN: None, CONTROL: None, **drafters}.items()
                    if d is None or not d.one_row or B == 1}
         decoders = [Decoder(model, num_draft=fixed.get(name)) for name in methods]
-        for rows, sequences, tokens in ((min(B, 2), min(B, 2), 8), (B, max(len(prompts), B), n)):  # a warm-up
+        for rows, sequences, tokens in ((min(B, 2), min(B, 2), 8), (B, max(len(prompts), B), n)):  # warm-up, run
             # a session a method and run (suffix decoding would otherwise recall the warm-up's answers)
             sessions = [d.new_session() if d is not None else None for d in methods.values()]
             started = [0] * len(methods)

@@ -446,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
                    help="write the report as JSON to OUT (alone: print it instead of the table)")
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
-                   help="also measure B sequences decoded together, e.g. 1,4,16 (throughput at each temperature, every "
-                        "method by turns; plain decoding twice: the run's noise; a method's num-draft fixes its K there too)")
+                   help="also measure B sequences decoded together, e.g. 1,4,16 (throughput with B in flight, each finished "
+                        "one replaced by the next, at each temperature, every method by turns; plain decoding twice: the run's noise; a method's num-draft fixes its K there too)")
     b.add_argument("--no-mlx-lm", action="store_true",
                    help="leave out mlx-lm's rows (they hold a second copy of the target's weights)")
     b.add_argument("--plot", default=None, metavar="OUT.png",
