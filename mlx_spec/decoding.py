@@ -93,24 +93,32 @@ class Decoder:
         if held >= len(prompt):
             raise ValueError(f"the cache holds {held} tokens, the prompt has only {len(prompt)}")
         context = list(prompt)
-        slot, capture, consume = 0, (), None
+        capture, consume, own = (), None, drafter
         if drafter is not None:
             users = sum(r.drafter is drafter for r in self.rows)
-            if not (users == 0 and drafter.rows == 1):
-                if drafter.rows != users:
-                    raise ValueError("a drafter's rows belong to one decoder")
-                drafter.add()
-            slot = drafter.rows - 1
-            drafter.bind(single)
-            kept = drafter.restart(slot, context, held)
+            if drafter.rows != users and not (users == 0 and drafter.rows == 1):
+                raise ValueError("a drafter's rows belong to one decoder")
+            # A drafter that runs a model reads the prompt now, with the target's prefill; a row joining others
+            # does so in a drafter of its own, then joins them (in a round, every row's forward would be padded
+            # to its prompt).
+            own = drafter._session() if users and drafter.costly else drafter
+            if own is not drafter or drafter.rows == users:
+                own.add()
+            slot = own.rows - 1
+            own.bind(single)
+            kept = own.restart(slot, context, held)
             single = rewound(single, kept, self.model.make_cache)  # anew where a linear-attention layer cannot go back
             if single[0].lengths[0] < kept:
-                kept = drafter.restart(slot, context, 0)
-            held, capture = kept, drafter.capture
+                kept = own.restart(slot, context, 0)
+            held, capture = kept, own.capture
             if capture:  # a drafter reading the target's features gets the prompt's as they are computed
                 def consume(end, hidden):
-                    drafter.commit(slot, context[: held + end + 1], hidden)
+                    own.commit(slot, context[: held + end + 1], hidden)
         prefill(self.model, prompt[held:-1], single, capture, consume)
+        if drafter is not None and drafter.costly:
+            own.catch_up([context])
+        if own is not drafter:
+            drafter.join(own)
         if not self.rows:
             self.cache = single  # the first row's cache is the batch's
         elif single is not self.cache:
@@ -119,7 +127,8 @@ class Decoder:
         self.held = False
         if drafter is not None:
             drafter.bind(self.cache)
-        self.rows.append(Row(key, context, params, max_tokens, drafter, slot, logprobs=logprobs))
+        self.rows.append(Row(key, context, params, max_tokens, drafter, drafter.rows - 1 if drafter else 0,
+                             logprobs=logprobs))
 
     def remove(self, key) -> None:
         self._unqueue()
@@ -223,7 +232,7 @@ class Decoder:
         keys, drafters = [r.key for r in rows], [r.drafter for r in rows]
         rooms = [r.max_tokens - r.produced - 2 for r in rows]
         self.queued = None
-        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)) and not self.policy.last.alone:
+        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)):
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
         tokens, odds, asked = host.read(y, odds, asked)  # the round's one wait
@@ -235,7 +244,7 @@ class Decoder:
                                       logprobs=read_logprobs(asked, b, [0], [token]), why=why)
         odds = odds if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
         # What drafting must beat is plain decoding going on: a round queued that queues the next (or one
-        # neither queued nor queuing: alone); the first of a run of them also queued the next, the last's ran before.
+        # neither queued nor queuing); the first of a run of them also queued the next, the last's ran before.
         steady = queued == (self.queued is not None)
         end = time.perf_counter()
         for e in events.values():

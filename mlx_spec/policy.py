@@ -20,8 +20,8 @@ next). The first drafting round after plain ones is a switch (its drafter catche
 is what probes weigh.
 
 Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its
-drafter's pool (a bad patch passes), and now and then it probes at its best drafting K, the probes
-doubling apart up to where they are expected to lose EXPLORE of plain decoding's time. Prompt lookup
+drafter's pool (a bad patch passes), and now and then it probes at its best drafting K, as far apart
+as keeps what probes are expected to lose at EXPLORE of plain decoding's time. Prompt lookup
 and suffix decoding need none: each plain round tells the odds their guess had (`record`'s `odds`).
 
 `choose` comes before a round, with no effect (the decoder also asks it whether the next round will be
@@ -99,7 +99,6 @@ class Costs:
     switch: float | None = None  # what a switch round costs beyond its K's round (seconds, running mean)
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
-    probes: int = 0  # drafting runs started after plain rounds, less the rounds they went on
     timed: bool = False  # a plain round of its own was timed (a batch size met first borrows another's times)
 
     def seconds(self, k: int) -> float:
@@ -132,7 +131,6 @@ class Decision:
     weighed: int = 0  # the K whose figures say why (the best drafting one, where the round is plain)
     tokens: list[float] = field(default_factory=list)  # E(K) summed over the rows, K = 0..most
     seconds: list[float] = field(default_factory=list)  # T(K)
-    alone: bool = False  # a plain round to time alone: the next one is not queued behind it
 
     def __str__(self) -> str:
         k, e, t = self.weighed, self.tokens, self.seconds
@@ -181,8 +179,8 @@ class Policy:
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self._costs(len(keys))
-        if c.switch is not None and not c.timed:  # a first round drafts on what is assumed, then a plain
-            return Decision(0, "timing a plain round", alone=True)  # one is timed: what every K is weighed against
+        if c.switch is not None and not c.timed:  # a first round drafts on what is assumed, then a plain round is
+            return Decision(0, "timing a plain round")  # timed as plain decoding goes (queued): what K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
@@ -196,10 +194,10 @@ class Policy:
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
             return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
-        # A probe loses its round's time beyond the tokens it brings, and the switch; probes go further apart from
-        # one round (a first one that failed tells little), doubling, to where they lose EXPLORE.
+        # A probe loses its round's time beyond the tokens it brings, and the switch: probes come that far apart
+        # that they lose EXPLORE (a dear one seldom, from the start: a few early ones would lose more than all).
         loss = max(seconds[best] + (c.switch or 0.0) - tokens[best] / tokens[0] * seconds[0], 0.0)
-        every = min(2**c.probes, max(1, round(loss / (EXPLORE * seconds[0]))))
+        every = max(1, round(loss / (EXPLORE * seconds[0])))
         if c.plain_rounds >= every:
             return Decision(best, f"a probe, every {every} plain rounds", best, tokens, seconds)
         return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", best, tokens, seconds)
@@ -229,8 +227,6 @@ class Policy:
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
             c.timed = c.timed or not k
-        if k:  # a drafting run that goes on wins back, a round at a time, what its probes learned
-            c.probes = max(c.probes - 1, 0) if c.drafting else c.probes + 1
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
         for key, k, n in zip(keys, ks, accepted):
             if k:

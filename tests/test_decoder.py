@@ -56,6 +56,51 @@ def test_rows_with_different_drafters_produce_what_they_would_alone(target, chec
         assert out[i] == alone(target, PROMPTS[i], lengths[i]), i
 
 
+class Widths:
+    """A drafter's network, recording the widest input each call runs (its first argument's second axis)."""
+
+    def __init__(self, net):
+        self.net, self.widths = net, []
+
+    def __call__(self, x, *args, **kwargs):
+        self.widths.append(x.shape[1])
+        return self.net(x, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.net, name)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_a_row_joining_a_batch_reads_its_prompt_into_the_drafter_as_it_joins(target, checkpoints, kind):
+    """The drafter reads a joining row's prompt then, alone: the rounds after it pad no row to that prompt
+    (each row's forward would be as long as it), and every row stays exact."""
+    if kind == "draft":
+        net = Widths(load_model(str(checkpoints["llama"]))[0])
+        drafter = DraftModel(net, target.args.vocab_size)
+    else:
+        mx.random.seed(0)
+        net = Widths(EagleNet(eagle_config(target, 3)))
+        mx.eval(net.net.parameters())
+        drafter = Eagle(net, target)
+    decoder = Decoder(target, num_draft=3)
+    long = PROMPTS[1] * 6  # 72 tokens
+    out = {key: [] for key in range(3)}
+    for key, prompt in enumerate(PROMPTS[:2]):
+        decoder.add(key, prompt, GREEDY, 12, drafter)
+    for _ in range(2):
+        for key, event in decoder.step().items():
+            out[key] += event.tokens
+    decoder.add(2, long, GREEDY, 12, drafter)
+    assert max(net.widths) >= len(long) - 1  # read as it joined, alone
+    del net.widths[:]
+    while decoder.rows:
+        for key, event in decoder.step().items():
+            out[key] += event.tokens
+    assert net.widths and max(net.widths) <= 8
+    for key, prompt in enumerate([*PROMPTS[:2], long]):
+        assert out[key] == alone(target, prompt, 12), key
+
+
 def test_a_drafter_that_does_not_pay_is_not_tried_again_at_once():
     # The demo's target and drafts that are never right: the first sequence drafts first and learns; the
     # next ones, with the same drafter (or a session of it, as each of the benchmark's runs has) at the same

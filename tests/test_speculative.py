@@ -278,12 +278,12 @@ def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
     ids = copy_token_ids(copy_model)
     rng = np.random.default_rng(7)
     metrics = Metrics()
-    for _ in range(8):
+    drafter = PromptLookup(1, 3) if kind == "lookup" else SuffixDecoding()
+    for _ in range(8):  # prompts one after another, as a chat or the benchmark gives them
         segment = copy_segment(rng, ids, (14, 16))
         prompt = segment + segment[:3]
         rest = len(segment) - 3
-        drafter = PromptLookup(1, 3) if kind == "lookup" else SuffixDecoding()
-        events = list(speculative_steps(model, prompt, GREEDY, rest, drafter))
+        events = list(speculative_steps(model, prompt, GREEDY, rest, drafter.new_session()))
         assert tokens_of(events) == tokens_of(plain_steps(model, prompt, GREEDY, rest))
         for e in events:
             metrics.add(e)

@@ -191,6 +191,11 @@ class Drafter(ABC):
         unchanged: a plain round then tells how likely that draft was to be accepted."""
         return None
 
+    def catch_up(self, contexts: list[list[int]]) -> None:
+        """Run what the rows have committed and not yet read (a prompt's features), so that the next
+        `propose` drafts at once. A row joining a batch does this alone, as its prompt is read: in a round,
+        its prompt would be padded into every other row's forward."""
+
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         """Row b's target accepted up to the end of `context`; drop stale state.
 
@@ -230,6 +235,13 @@ class RowStates(Drafter):
             c.remove(b)
         for name in self.new_row():
             del getattr(self, name)[b]
+
+    def join(self, other: RowStates) -> None:
+        """`other`'s one row (a session that read its prompt alone) becomes this drafter's last row."""
+        for c, o in zip(self.caches, other.caches):
+            c.extend(o)
+        for name in self.new_row():
+            getattr(self, name).append(getattr(other, name)[0])
 
 
 class HostDrafter(RowStates):

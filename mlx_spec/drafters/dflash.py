@@ -120,17 +120,13 @@ class DFlashNet(nn.Module):
         row r's first `new[r]` are real, the rest padding) -> normed output states
         `[R, N, H]`. The context's keys and values are appended to `cache` (one per
         layer); the block's are not kept."""
-        ctx = self.hidden_norm(self.fc(context)) if context is not None else None  # [R, S, H]
+        if context is not None:
+            self.read(context, cache, new)
         x = block
         N = block.shape[1]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             c = cache[i]
-            if ctx is not None:
-                before = list(c.lengths)
-                c.update_and_fetch(*attn.keys_values(ctx, c.offset))
-                for r, (n, m) in enumerate(zip(before, new or [ctx.shape[1]] * len(before))):
-                    c.cut(r, n + m)
             L = max(c.lengths)
             q, kb, vb = layer.pre(x, c.offset, None)  # each row's block sits right after its context
             keys = mx.concatenate([c.keys[..., :L, :], kb], axis=2) if L else kb
@@ -139,6 +135,16 @@ class DFlashNet(nn.Module):
                                                        mask=self._mask(i, c.lengths, N))
             x = layer.post(x, out)
         return self.norm(x)
+
+    def read(self, context: mx.array, cache: list[KVCache], new: list[int] | None = None) -> None:
+        """New context features `[R, S, F]` (row r's first `new[r]` real): every layer's keys and values of
+        them (one projection, read by each layer) appended to `cache`."""
+        ctx = self.hidden_norm(self.fc(context))  # [R, S, H]
+        for layer, c in zip(self.layers, cache):
+            before = list(c.lengths)
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
+            for r, (n, m) in enumerate(zip(before, new or [ctx.shape[1]] * len(before))):
+                c.cut(r, n + m)
 
     def weights(self) -> dict[str, mx.array]:
         return dict(tree_flatten(self.parameters()))
@@ -222,10 +228,20 @@ class DFlash(RowStates):
         if features:
             self.pending[b].append(features)  # taps [1, n, H]
 
-    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
-        ctx, new = (padded([joined(p) for p in self.pending])  # [R, n_max, taps * H]
-                    if any(self.pending) else (None, None))
+    def _pending(self) -> tuple[mx.array | None, list[int] | None]:
+        """The features the rows have not read, `[R, n_max, taps * H]`, and each row's n (None: none came)."""
+        ctx, new = padded([joined(p) for p in self.pending]) if any(self.pending) else (None, None)
         self.pending = [[] for _ in self.pending]
+        return ctx, new
+
+    def catch_up(self, contexts: list[list[int]]) -> None:
+        ctx, new = self._pending()
+        if ctx is not None:
+            self.net.read(ctx, self.cache, new)
+            mx.eval([c.state for c in self.cache])
+
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        ctx, new = self._pending()
         N = self.block_size
         ks = [min(k, N - 1) for k in ks]
         mask_id = self.net.settings["mask_token_id"]

@@ -71,12 +71,8 @@ class DraftModel(RowStates):
             return mx.concatenate([logits, pad], axis=-1)
         return logits
 
-    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
-        K = max(ks)
-        if K == 0:
-            return [EMPTY() for _ in ks]
-        # Every row first reads what it has not (its last token, at least), padded to one forward.
-        new = [c[len(held):] for c, held in zip(contexts, self.cached)]
+    def _read(self, new: list[list[int]]) -> tuple[mx.array, list[int]]:
+        """Each row's `new` tokens into the cache, padded to one forward -> logits `[B, S, V]`, each row's n."""
         lengths = [len(held) for held in self.cached]
         n = [len(t) for t in new]
         S = padded_length(max(n))
@@ -84,9 +80,23 @@ class DraftModel(RowStates):
         logits, _ = self.model(feed, self.cache)  # [B, S, V]
         for b, (held, m) in enumerate(zip(lengths, n)):
             cut_cache(self.cache, b, held + m)
-        last = logits[mx.arange(len(n)), mx.array(n) - 1]  # [B, V]: each row's last real token
-        for held, t, c in zip(self.cached, new, contexts):
+        for held, t in zip(self.cached, new):
             held.extend(t)
+        return logits, n
+
+    def catch_up(self, contexts: list[list[int]]) -> None:
+        new = [c[len(held) : len(c) - 1] for c, held in zip(contexts, self.cached)]  # `propose` feeds the last
+        if any(new):
+            self._read(new)
+            mx.eval([c.state for c in self.cache])
+
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        K = max(ks)
+        if K == 0:
+            return [EMPTY() for _ in ks]
+        # Every row first reads what it has not (its last token, at least), padded to one forward.
+        logits, n = self._read([c[len(held):] for c, held in zip(contexts, self.cached)])
+        last = logits[mx.arange(len(n)), mx.array(n) - 1]  # [B, V]: each row's last real token
         self.base = [len(c) for c in contexts]
         # K steps, each token feeding the next as an array: one evaluation for all.
         tokens, dists = [], []

@@ -288,6 +288,10 @@ class Eagle(RowStates):
         if features:
             self.pending[b].append(features)
 
+    def catch_up(self, contexts: list[list[int]]) -> None:
+        self._extend(contexts)
+        mx.eval(self.cache[0].state, [a for a in self.ahead if a is not None])
+
     def _extend(self, contexts: list[list[int]]) -> None:
         """Run each row's committed slots over the features that came since its last round (one forward)."""
         if not any(self.pending):

@@ -211,6 +211,11 @@ class MTP(RowStates):
             cache.cut(b, start + m)
         return [x[b : b + 1, :m] if m else None for b, m in enumerate(n)]
 
+    def catch_up(self, contexts: list[list[int]]) -> None:
+        self._extend(contexts)
+        mx.eval([c.state for c in self.cache], [a for a in self.ahead if a is not None],
+                [part for row in self.inputs for parts in row for part in parts])
+
     def _extend(self, contexts: list[list[int]]) -> None:
         """Run every module over each row's newly committed slots; module k (0-based)
         may commit slot i once token i + k + 1 is in the row's context."""

@@ -107,13 +107,9 @@ class MTPHeadsDrafter(RowStates):
             for pending in self.pending[b]:
                 pending.append(features[0])
 
-    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
-        n = len(self.heads.heads)
-        ks = [min(k, n) for k in ks]
-        K = max(ks)
-        # Only the heads this round drafts with read the new trunk states; the
-        # others catch up when a round needs them, so a short draft costs only its heads.
-        for i in range(K):
+    def _read(self, ks: list[int]) -> None:
+        """Heads 0..ks[b] - 1 read row b's new trunk states (one forward a head)."""
+        for i in range(max(ks)):
             parts = [mx.concatenate(p[i], axis=1) if p[i] and k > i else None for p, k in zip(self.pending, ks)]
             if all(part is None for part in parts):
                 continue
@@ -126,6 +122,17 @@ class MTPHeadsDrafter(RowStates):
                 if count:
                     self.pending[b][i] = []
                     self.last[b][i] = out[b, count - 1]
+
+    def catch_up(self, contexts: list[list[int]]) -> None:
+        self._read([len(self.heads.heads)] * len(contexts))
+        mx.eval([c.state for c in self.caches], [s for last in self.last for s in last if s is not None])
+
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        n = len(self.heads.heads)
+        ks = [min(k, n) for k in ks]
+        # Only the heads this round drafts with read the new trunk states; the
+        # others catch up when a round needs them, so a short draft costs only its heads.
+        self._read(ks)
         # A row drafts once each head it drafts with has read its trunk (a one-token prompt has none).
         ks = [k if all(last[i] is not None and self.caches[i].lengths[b] == len(c) - 1 for i in range(k)) else 0
               for b, (k, last, c) in enumerate(zip(ks, self.last, contexts))]
