@@ -33,11 +33,9 @@ from mlx_spec.cache import trim_cache
 from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft, RowStates
 from mlx_spec.generate import context_overflow
-from mlx_spec.metrics import StepEvent
+from mlx_spec.metrics import Metrics, StepEvent, expected_tokens
 from mlx_spec.models.load import cast_floating, compute_dtype
-from mlx_spec.policy import expected_tokens
 from mlx_spec.errors import UserError
-from mlx_spec.metrics import Metrics
 from mlx_spec.sampling import SamplingParams
 
 PLAIN = "mlx-spec"
@@ -140,8 +138,8 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     mean draft length the policy chose. Each method decodes max(prompts, B) sequences of `n` tokens (the
     prompts in turn), B at a time, a finished sequence replaced at once by the next, as a server keeps its
     batch full; it is timed while B are in flight (rows that draft finish apart: a batch left to drain runs
-    at fewer rows), after a short batch that compiles the shapes and measures what drafting costs at this
-    batch size. All methods decode side by side, taking turns every `TURN` rounds (`take_turns`): this
+    at fewer rows), after a short warm-up of B rows that compiles the shapes and times what drafting costs
+    at this batch size (as a server that has been running knows). All methods decode side by side, taking turns every `TURN` rounds (`take_turns`): this
     machine's speed drifts within a second, and turns a few rounds long share the drift. Plain decoding is
     measured twice (`CONTROL`): its second ratio, 1 but for the noise, is how far this run can tell a method
     from plain decoding. `num_draft` fixes a method's K (`:num-draft=K`, as in its one-sequence rows). The
@@ -152,17 +150,18 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
         methods = {name: d for name, d in {PLAIN: None, CONTROL: None, **drafters}.items()
                    if d is None or not d.one_row or B == 1}
         decoders = [Decoder(model, num_draft=fixed.get(name)) for name in methods]
-        for rows, sequences, tokens in ((min(B, 2), min(B, 2), 8), (B, max(len(prompts), B), n)):  # warm-up, run
+        # a warm-up (B prompts cut short, a few tokens: it compiles B's shapes and times B's rounds), then the run
+        for sequences, tokens, cut in ((B, 8, 8), (max(len(prompts), B), n, None)):
             # a session a method and run (suffix decoding would otherwise recall the warm-up's answers)
             sessions = [d.new_session() if d is not None else None for d in methods.values()]
             started = [0] * len(methods)
 
             def feed(i: int) -> bool:
-                while len(decoders[i].rows) < rows and started[i] < sequences:
-                    prompt = prompts[started[i] % len(prompts)]
+                while len(decoders[i].rows) < B and started[i] < sequences:
+                    prompt = prompts[started[i] % len(prompts)][:cut]
                     decoders[i].add(started[i], prompt, params, tokens, sessions[i])
                     started[i] += 1
-                return len(decoders[i].rows) == rows
+                return len(decoders[i].rows) == B
 
             for i in range(len(methods)):
                 mx.random.seed(0)

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a round of k drafts yields when each is accepted with probability alpha: 1 + alpha + ... + alpha^k
+    (Leviathan et al.)."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 @dataclass
 class TokenLogprob:
     """A committed token's log-probability under the target, and the most likely tokens there."""

@@ -11,21 +11,20 @@ host's work. The policy picks the K with the most tokens a second,
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at
-all). T_B(K) is the median of the last rounds at K; a K measured less is read linearly between the
-lengths measured (a GPU's verification steps up from one token to two, then rises little; a CPU's
-rises, with dips where its kernels' tiles fall: each K that would pay is run once), and past them
-along their line (before two are, a drafted token adds SLOPE plain rounds). A batch size met first
-borrows the nearest one's times. Plain rounds are timed where plain decoding goes on (each queues the
-next). The first drafting round after plain ones is a switch (its drafter catches up): its extra time
-is what probes weigh.
+all). T_B(K) is the median of the last rounds at K; a K measured less is read linearly between the lengths
+measured (a GPU's verification steps up from one token to two, then rises little; a CPU's rises, with
+dips where its kernels' tiles fall: each K that would pay is run once), and past them along their line
+(before two are, a drafted token adds SLOPE plain rounds). A batch size met first borrows the nearest
+one's times, scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on.
+The first drafting round after plain ones is a switch (its drafter catches up): its extra time is what
+probes weigh.
 
-Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its
-drafter's pool (a bad patch passes), and now and then it probes at its best drafting K, as far apart
-as keeps what probes are expected to lose at EXPLORE of plain decoding's time. Prompt lookup
-and suffix decoding need none: each plain round tells the odds their guess had (`record`'s `odds`).
-
-`choose` comes before a round, with no effect (the decoder also asks it whether the next round will be
-plain, to queue it); `record` after it. `last` is the decision, which says why."""
+Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's
+pool (a bad patch passes), and now and then it probes at its best drafting K, as far apart as keeps what
+probes are expected to lose at EXPLORE of plain decoding's time. Prompt lookup and suffix decoding need
+none: each plain round tells the odds their guess had (`record`'s `odds`). `choose` comes before a round,
+with no effect (the decoder also asks whether the next round will be plain, to queue it); `record` after
+it. `last` is the decision, which says why."""
 
 from __future__ import annotations
 
@@ -51,11 +50,6 @@ MARGIN = 1.05  # more throughput drafting must promise to start (a switch costs;
 EXPLORE = 0.01  # share of plain decoding's time that probes may be expected to lose
 
 
-def expected_tokens(alpha: float, k: float) -> float:
-    """Tokens a round of k drafts yields when each is accepted with probability alpha: 1 + alpha + ... + alpha^k."""
-    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 @dataclass
 class Acceptance:
     """Decayed counts per draft position: rounds that reached it, and accepted it."""
@@ -64,9 +58,8 @@ class Acceptance:
     reached: list[float] = field(default_factory=list)
 
     def rates(self, k: int, prior: list[float] | None = None) -> list[float]:
-        """a_0..a_{k-1}: each position's counts against `prior` (the pool's rates), weighing one round;
-        without one, against the rate before it (the first against PRIOR): a position seldom reached is
-        taken as the one before it."""
+        """a_0..a_{k-1}: each position's counts against `prior` (the pool's rates), weighing one round; without
+        one, against the rate before it (the first against PRIOR): a position seldom reached is as the one before."""
         out = []
         for i in range(k):
             p = prior[i] if prior else (out[-1] if out else PRIOR)
@@ -99,14 +92,29 @@ class Costs:
     switch: float | None = None  # what a switch round costs beyond its K's round (seconds, running mean)
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
-    timed: bool = False  # a plain round of its own was timed (a batch size met first borrows another's times)
+    borrowed: dict[int, float] = field(default_factory=dict)  # K -> the nearest batch size's T(K), when this met first
+    curves: dict[int, list] = field(default_factory=dict)  # most -> T(0..most), until a round is recorded
+
+    def curve(self, most: int) -> list[float]:
+        """T(0..most), once a round (the decoder asks twice; on a CPU the host's time is taken from the device's)."""
+        if most not in self.curves:
+            self.curves[most] = [self.seconds(k) for k in range(most + 1)]
+        return self.curves[most]
+
+    def known(self) -> dict[int, tuple[float, int]]:
+        """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this
+        size's rounds to them at the drafting K run here (a CPU's 16 rows cost many times 2 rows'), else plain."""
+        own = {k: (statistics.median(t), len(t)) for k, t in self.times.items() if t}
+        ratios = [own[k][0] / t for k, t in self.borrowed.items() if k and k in own] or [
+            own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
+        return {**{k: (t * statistics.median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
     def seconds(self, k: int) -> float:
-        """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths measured
-        (with plain rounds, K = 0), linearly between two, and past the longest along the line through
-        them (weighed by their rounds; one: SLOPE plain rounds a token). Before anything, in plain rounds."""
-        plain = statistics.median(self.times[0]) if self.times.get(0) else 1.0
-        points = {0: (plain, 1), **{j: (statistics.median(t), len(t)) for j, t in self.times.items() if j}}
+        """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths measured (plain
+        rounds: K = 0), linearly between two, past the longest along the line through them (weighed by their
+        rounds; one: SLOPE plain rounds a token). Before anything, in plain rounds."""
+        points = {0: (1.0, 1), **self.known()}
+        plain = points[0][0]
         if k in points and (k == 0 or points[k][1] >= TRUSTED):
             return points[k][0]
         own = points.pop(k, (float("inf"), 0))[0]  # its few rounds say where it is cheaper (a spike is dearer)
@@ -169,22 +177,18 @@ class Policy:
         drafter has nothing to draft this round). No effect: asking again gives the same answer."""
         drafts = [d is not None and not (empty and empty[b]) and rooms[b] > 0 for b, d in enumerate(drafters)]
         most = self.k_max or max((d.k_max for d in drafters if d is not None), default=0)
-        if not any(drafts):
-            self.last = Decision(0, "nothing to draft")
-        elif self.fixed is not None:
-            self.last = Decision(self.fixed, "K fixed")
-        else:
-            self.last = self._decide(keys, drafters, drafts, most)
+        self.last = (Decision(0, "nothing to draft") if not any(drafts) else Decision(self.fixed, "K fixed")
+                     if self.fixed is not None else self._decide(keys, drafters, drafts, most))
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self._costs(len(keys))
-        if c.switch is not None and not c.timed:  # a first round drafts on what is assumed, then a plain round is
-            return Decision(0, "timing a plain round")  # timed as plain decoding goes (queued): what K is weighed against
+        if c.switch is not None and not c.times.get(0):  # a first round drafts on what is assumed; then a plain
+            return Decision(0, "timing a plain round")  # round is timed, queued: what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
-        seconds = [c.seconds(k) for k in range(most + 1)]
+        seconds = c.curve(most)
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
         if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run that would pay is tried
@@ -203,10 +207,10 @@ class Policy:
         return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", best, tokens, seconds)
 
     def _costs(self, B: int) -> Costs:
-        """Batch size B's; one met first starts from the nearest measured, a round at each K (soon outvoted)."""
+        """Batch size B's; one met first borrows the nearest measured (`Costs.known` scales them)."""
         if B not in self.costs and self.costs:
             near = self.costs[min(self.costs, key=lambda b: abs(b - B) / b)]
-            self.costs[B] = Costs({k: deque([statistics.median(t)], maxlen=RECENT) for k, t in near.times.items()})
+            self.costs[B] = Costs(borrowed={k: t for k, (t, _) in near.known().items()})
         return self.costs.setdefault(B, Costs())
 
     def _rates(self, key, drafter, most: int) -> list[float]:  # a row's, against its drafter's pool
@@ -215,18 +219,18 @@ class Policy:
 
     def record(self, keys: list, ks: list[int], accepted: list[int], seconds: float, steady: bool = True,
                odds: dict | None = None) -> None:
-        """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all
-        of it); `steady`: a plain round that is what plain decoding costs (queued and queuing the next, or
-        neither); `odds`: row key -> the target's probability of the token its drafter guessed."""
+        """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all of it);
+        `steady`: a plain round costing what plain decoding does; `odds`: row -> the odds of its drafter's guess."""
         c = self._costs(len(keys))
-        k = max(ks)
+        k, c.curves = max(ks), {}
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time
             extra = max(seconds - c.seconds(k), 0.0)
             c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
+            if not c.times.get(k):  # a first round at a K stands for it until rounds that go on are timed
+                c.times[k] = deque([seconds], maxlen=RECENT)
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
-            c.timed = c.timed or not k
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
         for key, k, n in zip(keys, ks, accepted):
             if k:

@@ -11,7 +11,8 @@ import pytest
 
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.lookup import PromptLookup
-from mlx_spec.policy import EXPLORE, Acceptance, Policy, expected_tokens, tokens_by_k
+from mlx_spec.metrics import expected_tokens
+from mlx_spec.policy import EXPLORE, Acceptance, Policy, tokens_by_k
 
 GPU = {1: {1: 7.0, **{s: 13.5 for s in range(2, 18)}},  # ms by tokens a row, by batch size
        16: {1: 7.5, **{s: 13.9 for s in range(2, 18)}}}
@@ -177,3 +178,14 @@ def test_each_drafter_drafts_up_to_its_own_most():
     simulate(GPU[1], 1.0, 0.0, policy=policy, drafter=lookup, rounds=100)
     assert policy.choose([0], [lookup], [100])[0] > 8
     assert max(simulate(GPU[1], 1.0, 0.0, drafter=model, rounds=100)[2]) == model.k_max
+
+
+def test_a_batch_size_met_first_weighs_what_it_borrows_by_its_own_rounds():
+    """Sixteen rows met after one: on a CPU each token a row drafts costs sixteen rows two plain rounds (a
+    tree's nodes, every row), where one row drafted for little. What is borrowed from one row is scaled by
+    the first rounds at sixteen: it stops drafting within a few rounds, and loses little."""
+    policy = Policy()
+    simulate(CPU[1], 0.9, 1.5, policy=policy, rounds=200)
+    steep = {s: 20.0 + 40.0 * (s - 1) for s in range(1, 18)}
+    speed, drafting, _ = simulate(steep, 0.9, 1.5, rows=16, rounds=200, policy=policy)
+    assert drafting <= 0.02 and speed > 0.9, (drafting, speed)

@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import Draft, HostDrafter, Kind, Options
 from mlx_spec.errors import UserError
+from mlx_spec.metrics import expected_tokens
 from mlx_spec.models.llama import Model
-from mlx_spec.policy import expected_tokens
 from mlx_spec.sampling import SamplingParams, draw
 
 

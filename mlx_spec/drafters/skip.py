@@ -28,8 +28,8 @@ from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import Kind
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.errors import UserError
+from mlx_spec.metrics import expected_tokens
 from mlx_spec.models.llama import Model
-from mlx_spec.policy import expected_tokens
 
 # Calibration tokens per prompt: the search's forwards cost grows with them,
 # and a long prompt's tail says as much about agreement as all of it.
