@@ -101,7 +101,7 @@ class Decoder:
             # A drafter that runs a model reads the prompt now, with the target's prefill; a row joining others
             # does so in a drafter of its own, then joins them (in a round, every row's forward would be padded
             # to its prompt).
-            own = drafter._session() if users and drafter.costly else drafter
+            own = drafter.new_session() if users and drafter.costly else drafter
             if own is not drafter or drafter.rows == users:
                 own.add()
             slot = own.rows - 1
