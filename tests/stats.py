@@ -30,7 +30,7 @@ def tokens_of(events, limit=None):
 
 V = 4
 STAT_PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-N = 3000
+N = 1500
 
 
 def exact_joint(model, prompt, params, n_tokens):
@@ -51,7 +51,7 @@ def tv_bound(p, n, quantile=0.999, sims=4000):
     return float(np.quantile(0.5 * np.abs(draws - pv).sum(axis=1), quantile))
 
 
-ALONE, ROWS = 300, 10
+ALONE, ROWS = 100, 50
 
 
 def _draws(model, make_drafter, params, n_tokens, acceptance="exact"):

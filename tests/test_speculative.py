@@ -270,7 +270,8 @@ def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
 @pytest.mark.parametrize("kind", ["lookup", "suffix"])
 def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
     """The seed's timetable shape: the prompt states a text, then starts to
-    repeat it; drafts copied from the context are accepted wholesale."""
+    repeat it; drafts copied from the context are accepted wholesale. K is fixed:
+    whether drafting pays is the policy's (timed) call, tested in test_policy."""
     from mlx_spec.metrics import Metrics
     from mlx_spec.testing import copy_segment, copy_token_ids
 
@@ -283,7 +284,7 @@ def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
         segment = copy_segment(rng, ids, (14, 16))
         prompt = segment + segment[:3]
         rest = len(segment) - 3
-        events = list(speculative_steps(model, prompt, GREEDY, rest, drafter.new_session()))
+        events = list(speculative_steps(model, prompt, GREEDY, rest, drafter.new_session(), num_draft=8))
         assert tokens_of(events) == tokens_of(plain_steps(model, prompt, GREEDY, rest))
         for e in events:
             metrics.add(e)
