@@ -10,21 +10,20 @@ host's work. The policy picks the K with the most tokens a second,
 
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
-and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at
-all). T_B(K) is the median of the last rounds at K; a K measured less is read linearly between the lengths
-measured (a GPU's verification steps up from one token to two, then rises little; a CPU's rises, with
-dips where its kernels' tiles fall: each K that would pay is run once), and past them along their line
-(before two are, a drafted token adds SLOPE plain rounds). A batch size met first borrows the nearest
-one's times, scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on.
-The first drafting round after plain ones is a switch (its drafter catches up): its extra time is what
-probes weigh.
+and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all).
+T_B(K) is the median of the last rounds at K; a K measured less is read linearly between the lengths measured (a
+GPU's verification steps up from one token to two, then rises little; a CPU's rises, with dips where its kernels'
+tiles fall: each K that would pay is run once), and past them along their line (before two are, a drafted token
+adds SLOPE plain rounds). A batch size met first borrows the nearest one's times, scaled as its own rounds
+compare. Plain rounds are timed queued, as plain decoding goes on. The first drafting round after plain ones is a
+switch (its drafter catches up): its extra time is what probes weigh.
 
-Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's
-pool (a bad patch passes), and now and then it probes at its best drafting K, as far apart as keeps what
-probes are expected to lose at EXPLORE of plain decoding's time. Prompt lookup and suffix decoding need
-none: each plain round tells the odds their guess had (`record`'s `odds`). `choose` comes before a round,
-with no effect (the decoder also asks whether the next round will be plain, to queue it); `record` after
-it. `last` is the decision, which says why."""
+Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a
+bad patch passes), and now and then it probes at its best drafting K, as far apart as keeps what probes are
+expected to lose at EXPLORE of plain decoding's time. Prompt lookup and suffix decoding need none: each plain
+round tells the odds their guess had (`record`'s `odds`). `choose` comes before a round, with no effect (the
+decoder also asks whether the next round will be plain, to queue it); `record` after it. `last` is the decision,
+which says why."""
 
 from __future__ import annotations
 
@@ -34,8 +33,6 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
-
-import numpy as np
 
 from mlx_spec import distributed
 from mlx_spec.sampling import SamplingParams
@@ -71,9 +68,8 @@ class Acceptance:
 
     def update(self, k: int, n: float, decay: float) -> None:
         """A round of k drafts kept n; n is fractional for a guess's odds (k = 1)."""
-        grow = [0.0] * (k - len(self.reached))
-        self.accepted, self.reached = self.accepted + grow, self.reached + grow
         self.fade(decay)
+        self.accepted, self.reached = (v + [0.0] * (k - len(v)) for v in (self.accepted, self.reached))
         for i in range(min(k, int(n) + 1)):  # position i is reached when the i before it were kept
             self.reached[i] += 1
             self.accepted[i] += min(n - i, 1.0)
@@ -98,7 +94,8 @@ class Costs:
     def curve(self, most: int) -> list[float]:
         """T(0..most), once a round (the decoder asks twice; on a CPU the host's time is taken from the device's)."""
         if most not in self.curves:
-            self.curves[most] = [self.seconds(k) for k in range(most + 1)]
+            points = {0: (1.0, 1), **self.known()}
+            self.curves[most] = [self.seconds(k, points) for k in range(most + 1)]
         return self.curves[most]
 
     def known(self) -> dict[int, tuple[float, int]]:
@@ -109,12 +106,11 @@ class Costs:
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
         return {**{k: (t * statistics.median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
-    def seconds(self, k: int) -> float:
-        """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths measured (plain
-        rounds: K = 0), linearly between two, past the longest along the line through them (weighed by their
-        rounds; one: SLOPE plain rounds a token). Before anything, in plain rounds."""
-        points = {0: (1.0, 1), **self.known()}
-        plain = points[0][0]
+    def seconds(self, k: int, known: dict | None = None) -> float:
+        """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths `known` (K = 0:
+        plain), linearly between two, past the longest along their least-squares line (one: SLOPE plain rounds a
+        token). Before anything, in plain rounds."""
+        points = dict(known or {0: (1.0, 1), **self.known()})
         if k in points and (k == 0 or points[k][1] >= TRUSTED):
             return points[k][0]
         own = points.pop(k, (float("inf"), 0))[0]  # its few rounds say where it is cheaper (a spike is dearer)
@@ -123,11 +119,18 @@ class Costs:
             (t0, _), (t1, _) = points[below], points[above]
             line = t0 + (t1 - t0) * (k - below) / (above - below)
         elif len(points) < 3:
-            line = points[below][0] + SLOPE * plain * (k - below)
+            line = points[below][0] + SLOPE * points[0][0] * (k - below)
         else:  # the least-squares slope of the lengths measured, each weighed by its rounds
-            js, ts, ns = zip(*((j, t, n) for j, (t, n) in points.items() if j))
-            line = points[below][0] + max(np.polyfit(js, ts, 1, w=np.sqrt(ns))[0], 0.0) * (k - below)
-        return min(own, max(line, plain))
+            line = points[below][0] + max(_slope({j: p for j, p in points.items() if j}), 0.0) * (k - below)
+        return min(own, max(line, points[0][0]))
+
+
+def _slope(points: dict[int, tuple[float, int]]) -> float:
+    """Of T against K, least squares, each K weighed by its rounds (numpy's polyfit cost 0.1 ms a call)."""
+    n = sum(c for _, c in points.values())
+    km, tm = sum(k * c for k, (_, c) in points.items()) / n, sum(t * c for t, c in points.values()) / n
+    return (sum(c * (k - km) * (t - tm) for k, (t, c) in points.items())
+            / sum(c * (k - km) ** 2 for k, (_, c) in points.items()))
 
 
 @dataclass
@@ -164,13 +167,11 @@ class Policy:
         if drafter is None:
             return cls(k_max, fixed)
         policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
-        for table in (policy.rows, policy.owner):
-            table.clear()
+        policy.rows.clear(), policy.owner.clear()
         return policy
 
     def forget(self, key) -> None:
-        for table in (self.rows, self.owner):
-            table.pop(key, None)
+        self.rows.pop(key, None), self.owner.pop(key, None)
 
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
@@ -198,8 +199,7 @@ class Policy:
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
             return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
-        # A probe loses its round's time beyond the tokens it brings, and the switch: probes come that far apart
-        # that they lose EXPLORE (a dear one seldom, from the start: a few early ones would lose more than all).
+        # A probe loses its round's time beyond its tokens, and the switch: probes lose EXPLORE, a dear one seldom.
         loss = max(seconds[best] + (c.switch or 0.0) - tokens[best] / tokens[0] * seconds[0], 0.0)
         every = max(1, round(loss / (EXPLORE * seconds[0])))
         if c.plain_rounds >= every:
