@@ -89,14 +89,6 @@ class Costs:
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
     borrowed: dict[int, float] = field(default_factory=dict)  # K -> the nearest batch size's T(K), when this met first
-    curves: dict[int, list] = field(default_factory=dict)  # most -> T(0..most), until a round is recorded
-
-    def curve(self, most: int) -> list[float]:
-        """T(0..most), once a round (the decoder asks twice; on a CPU the host's time is taken from the device's)."""
-        if most not in self.curves:
-            points = {0: (1.0, 1), **self.known()}
-            self.curves[most] = [self.seconds(k, points) for k in range(most + 1)]
-        return self.curves[most]
 
     def known(self) -> dict[int, tuple[float, int]]:
         """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this
@@ -159,6 +151,7 @@ class Policy:
         self.owner: dict[object, int] = {}  # row key -> id of its drafter's lineage
         self.pooled: dict[int, Acceptance] = {}  # id of a drafter's lineage -> its rows' acceptance pooled
         self.last: Decision | None = None
+        self.decided: dict[tuple, Decision] = {}  # this round's: the decoder asks twice (on a CPU, at a cost)
 
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None, fixed: int | None = None) -> Policy:
@@ -178,8 +171,11 @@ class Policy:
         drafter has nothing to draft this round). No effect: asking again gives the same answer."""
         drafts = [d is not None and not (empty and empty[b]) and rooms[b] > 0 for b, d in enumerate(drafters)]
         most = self.k_max or max((d.k_max for d in drafters if d is not None), default=0)
-        self.last = (Decision(0, "nothing to draft") if not any(drafts) else Decision(self.fixed, "K fixed")
-                     if self.fixed is not None else self._decide(keys, drafters, drafts, most))
+        asked = (tuple(keys), tuple(drafts), most)
+        if asked not in self.decided:
+            self.decided[asked] = (Decision(0, "nothing to draft") if not any(drafts) else Decision(
+                self.fixed, "K fixed") if self.fixed is not None else self._decide(keys, drafters, drafts, most))
+        self.last = self.decided[asked]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
@@ -189,7 +185,8 @@ class Policy:
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
-        seconds = c.curve(most)
+        known = {0: (1.0, 1), **c.known()}
+        seconds = [c.seconds(k, known) for k in range(most + 1)]
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
         if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run that would pay is tried
@@ -222,7 +219,7 @@ class Policy:
         """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all of it);
         `steady`: a plain round costing what plain decoding does; `odds`: row -> the odds of its drafter's guess."""
         c = self._costs(len(keys))
-        k, c.curves = max(ks), {}
+        k, self.decided = max(ks), {}
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time
             extra = max(seconds - c.seconds(k), 0.0)
