@@ -151,7 +151,7 @@ class Policy:
         self.owner: dict[object, int] = {}  # row key -> id of its drafter's lineage
         self.pooled: dict[int, Acceptance] = {}  # id of a drafter's lineage -> its rows' acceptance pooled
         self.last: Decision | None = None
-        self.decided: dict[tuple, Decision] = {}  # this round's: the decoder asks twice (on a CPU, at a cost)
+        self.decided: tuple | None = None  # (what was asked, the decision) this round: the decoder asks twice
 
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None, fixed: int | None = None) -> Policy:
@@ -160,11 +160,13 @@ class Policy:
         if drafter is None:
             return cls(k_max, fixed)
         policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
-        policy.rows.clear(), policy.owner.clear()
+        policy.rows.clear()
+        policy.owner.clear()
         return policy
 
     def forget(self, key) -> None:
-        self.rows.pop(key, None), self.owner.pop(key, None)
+        self.rows.pop(key, None)
+        self.owner.pop(key, None)
 
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
@@ -172,10 +174,10 @@ class Policy:
         drafts = [d is not None and not (empty and empty[b]) and rooms[b] > 0 for b, d in enumerate(drafters)]
         most = self.k_max or max((d.k_max for d in drafters if d is not None), default=0)
         asked = (tuple(keys), tuple(drafts), most)
-        if asked not in self.decided:
-            self.decided[asked] = (Decision(0, "nothing to draft") if not any(drafts) else Decision(
+        if self.decided is None or self.decided[0] != asked:
+            self.decided = (asked, Decision(0, "nothing to draft") if not any(drafts) else Decision(
                 self.fixed, "K fixed") if self.fixed is not None else self._decide(keys, drafters, drafts, most))
-        self.last = self.decided[asked]
+        self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
@@ -219,7 +221,7 @@ class Policy:
         """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all of it);
         `steady`: a plain round costing what plain decoding does; `odds`: row -> the odds of its drafter's guess."""
         c = self._costs(len(keys))
-        k, self.decided = max(ks), {}
+        k, self.decided = max(ks), None
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time
             extra = max(seconds - c.seconds(k), 0.0)
