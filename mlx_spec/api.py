@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from mlx_spec import distributed
+from mlx_spec import distributed, exact
 from mlx_spec.decoding import speculative_steps
 from mlx_spec.drafters import Drafter, make_drafter
 from mlx_spec.errors import UserError
@@ -144,19 +144,26 @@ def stream(target: Target, prompt: str | list[int], drafter: Drafter | None = No
            params: SamplingParams | None = None, max_tokens: int = 256, num_draft: int | None = None,
            chat_template: bool = True, think: bool | None = None, system: str = "",
            template_args: dict | None = None, acceptance: str = "exact",
-           result: Generation | None = None) -> Iterator[str]:
+           result: Generation | None = None, width: int | None = None) -> Iterator[str]:
     """The answer's text as it is decoded; `result` (if given) fills with the
-    tokens, where each came from, timings and the drafter's metrics."""
+    tokens, where each came from, timings and the drafter's metrics. `width`
+    (`exact_width`): exact verification, every forward that many tokens wide."""
     ids = prompt_ids(target, prompt, chat_template, think, system=system, template_args=template_args)
     result = result if result is not None else Generation(prompt_tokens=ids)
 
     def steps(model, prompt, params, max_tokens):
         events = speculative_steps(model, prompt, params, max_tokens, drafter, num_draft=num_draft,
-                                   acceptance=acceptance)
-        return distributed.lockstep(events, (prompt, params, max_tokens, num_draft, acceptance))
+                                   acceptance=acceptance, width=width)
+        return distributed.lockstep(events, (prompt, params, max_tokens, num_draft, acceptance, width))
 
     yield from stream_generate(target.model, target.tokenizer, ids, params or SamplingParams(), max_tokens,
                                result, steps)
+
+
+def exact_width(target: Target, drafters: Sequence[Drafter | None] = (None,), num_draft: int | None = None) -> int:
+    """`--exact`: the width every target forward has so that no drafter changes a bit of the output,
+    wide enough for each of `drafters` (None: plain decoding) and checked on this backend (`mlx_spec.exact`)."""
+    return exact.width(target.model, max(exact.need(d, num_draft) for d in drafters))
 
 
 PROMPT_OPTIONS = ("chat_template", "think", "system", "template_args")  # how `stream` renders a text prompt

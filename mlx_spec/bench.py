@@ -28,7 +28,7 @@ from typing import Callable, Generator, Iterator
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec import distributed
+from mlx_spec import distributed, exact
 from mlx_spec.cache import trim_cache
 from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft, RowStates
@@ -56,7 +56,7 @@ class Row:
     ratios: list[float] = field(default_factory=list)  # to plain, same prompt and repeat
     rounds_per_s: list[float] = field(default_factory=list)  # target forwards a second while decoding
     identical: bool = True  # greedy: every output equal to plain decoding's
-    ties: int = 0  # greedy outputs that part from plain decoding's at a float-rounding tie
+    parted: list[tuple[int, float]] = field(default_factory=list)  # greedy: where an output parted, the top-2 margin there
     peak: int = 0  # bytes: MLX's peak memory over the row's runs (weights, caches, drafter, activations)
 
     def as_dict(self, plain_tps: float, bound_tps: float | None) -> dict:
@@ -78,7 +78,7 @@ class Row:
             "c": self.metrics.draft_time / self.metrics.positions * plain_tps if self.metrics.positions else 0.0,
             "target_forwards_per_token": m["target_forwards"] / max(self.metrics.tokens, 1),
             "identical_to_plain": self.identical if self.temp == 0 else None,
-            "rounding_ties": self.ties,
+            "parted": [{"token": i, "top2_margin": m} for i, m in self.parted],
             "alpha": self.metrics.alpha,
             "predicted_speedup": predicted,
             "prediction_note": why,
@@ -133,7 +133,7 @@ def take_turns(decoders: list[Decoder], turn: int = TURN,
 
 def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: list[int], n: int,
                         temps: list[float], num_draft: dict[str, int | None] | None = None,
-                        progress: "Progress | None" = None) -> list[dict]:
+                        progress: "Progress | None" = None, width: int | None = None) -> list[dict]:
     """Throughput with B sequences in flight (`Decoder`), per batch size, temperature and method, and the
     mean draft length the policy chose. Each method decodes max(prompts, B) sequences of `n` tokens (the
     prompts in turn), B at a time, a finished sequence replaced at once by the next, as a server keeps its
@@ -142,14 +142,14 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
     at this batch size (as a server that has been running knows). All methods decode side by side, taking turns every `TURN` rounds (`take_turns`): this
     machine's speed drifts within a second, and turns a few rounds long share the drift. Plain decoding is
     measured twice (`CONTROL`): its second ratio, 1 but for the noise, is how far this run can tell a method
-    from plain decoding. `num_draft` fixes a method's K (`:num-draft=K`, as in its one-sequence rows). The
-    whole costs about as much as decoding every method's tokens once."""
+    from plain decoding. `num_draft` fixes a method's K (`:num-draft=K`, as in its one-sequence rows); `width`:
+    exact verification. The whole costs about as much as decoding every method's tokens once."""
     out, fixed = [], num_draft or {}
     for temp, B in ((t, b) for t in temps for b in sizes):
         params = SamplingParams(temp=temp)
         methods = {name: d for name, d in {PLAIN: None, CONTROL: None, **drafters}.items()
                    if d is None or not d.one_row or B == 1}
-        decoders = [Decoder(model, num_draft=fixed.get(name)) for name in methods]
+        decoders = [Decoder(model, num_draft=fixed.get(name), width=width) for name in methods]
         # a warm-up (B prompts cut short, a few tokens: it compiles B's shapes and times B's rounds), then the run
         for sequences, tokens, cut in ((B, 8, 8), (max(len(prompts), B), n, None)):
             # a session a method and run (suffix decoding would otherwise recall the warm-up's answers)
@@ -177,18 +177,6 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
 
 
 TIE = 1e-3  # logit margin within float rounding between a one-token and a many-token forward
-
-
-def at_a_tie(model, prompt: list[int], plain: list[int], other: list[int]) -> bool:
-    """Whether two greedy outputs part where the target's two best logits are
-    within rounding: with a fast BLAS (or Metal) a forward over one token and
-    over many differ in the last bits, and such a tie may go either way."""
-    i = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
-    if i is None:  # one stopped early: not a tie
-        return False
-    logits, _ = model(mx.array(prompt + plain[:i])[None])
-    top = mx.sort(logits[0, -1].astype(mx.float32))[-2:]
-    return (top[1] - top[0]).item() < TIE
 
 
 def predict(m: Metrics, step_time: float, measured: float) -> tuple[float | None, str]:
@@ -341,9 +329,10 @@ def drafter_options(entry: str, args: argparse.Namespace) -> tuple[str, dict]:
     return spec, options
 
 
-def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], dict, dict]:
-    """The methods to measure, by row name; our drafters by row name (None: plain); and the K each drafts
-    where it is fixed (`--num-draft`, `:num-draft=K`; None: the policy chooses)."""
+def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], dict, dict, int | None]:
+    """The methods to measure, by row name; our drafters by row name (None: plain); the K each drafts
+    where it is fixed (`--num-draft`, `:num-draft=K`; None: the policy chooses); and with `--exact`, the
+    width of every forward of mlx-spec's rows (one for all: plain decoding is each drafter's reference)."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -355,7 +344,8 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     from mlx_spec.models.mlxlm import Model as MLXLMTarget
 
     model = target.model
-    runners: dict[str, Runner] = {PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n)}
+    # `width` is known once every drafter is (below); the runners read it when they run
+    runners: dict[str, Runner] = {PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n, width=width)}
     # mlx-lm's rows would run the whole target where it is split; `--no-mlx-lm` leaves them out (they hold a
     # second copy of the weights)
     sharded = distributed.active() or args.no_mlx_lm
@@ -380,7 +370,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
                               topk=options["topk"], block_size=options["block-size"])
 
         def spec_run(prompt, p, n, drafter=drafter, k=options["num-draft"]):
-            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k)
+            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k, width=width)
 
         runners[f"mlx-spec {entry}"] = spec_run
         drafters[f"mlx-spec {entry}"], num_draft[f"mlx-spec {entry}"] = drafter, options["num-draft"]
@@ -397,7 +387,9 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
                 )
 
             runners[f"mlx-lm {spec}"] = ref_spec_run
-    return runners, drafters, num_draft
+    width = exact.width(model, max(exact.need(drafters[name], num_draft.get(name)) for name in drafters)) \
+        if args.exact else None
+    return runners, drafters, num_draft, width
 
 
 def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> dict | None:
@@ -549,7 +541,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         if overflow:
             raise UserError(f"--prompts: prompt {i + 1} of {len(prompts)}: {overflow}" if args.prompts
                             else f"--prompt: {overflow}")
-    runners, drafters, num_draft = make_runners(args, target)
+    runners, drafters, num_draft, width = make_runners(args, target)
 
     print(f"mlx-spec bench: {len(runners)} methods x {len(prompts)} prompts x {args.repeats} repeats x "
           f"{len(args.temps)} temperatures, {n} tokens each" + (f"; then {len(drafters) + 1} methods "
@@ -585,16 +577,16 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
                     row.decode_tps.append(dtps)
                     row.rounds_per_s.append(rounds)
                     row.ratios.append(dtps / base_tps)
-                    if tokens != plain_tokens and temp == 0 and at_a_tie(model, prompt, plain_tokens, tokens):
-                        row.ties += 1
-                    else:
-                        row.identical &= tokens == plain_tokens
+                    if temp == 0 and tokens != plain_tokens:
+                        row.identical = False
+                        if parting := exact.parted(model, prompt, plain_tokens, tokens):
+                            row.parted.append(parting)
         progress.say(f"temperature {temp:g}: " + ", ".join(
             f"{name} {_median(row.ratios):.2f}x" for name, row in table.items() if name != PLAIN))
         rows += table.values()
     # Batches decode up to 64 tokens a sequence: enough for the policy to settle, a batch of 16 in seconds.
-    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, num_draft, progress)
-                   if sizes else [])
+    concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, num_draft, progress,
+                                       width) if sizes else [])
     progress.done()
     weights = tree_flatten(model.parameters())
     step_bytes = read_per_step(model)
@@ -618,6 +610,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
         "prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "max_tokens": n,
         "repeats": args.repeats,
+        "exact_width": width,
         "rows": reported,
         "concurrency": concurrency,
         "rollback": rollback_cost(model, prompts[0]),
@@ -636,6 +629,8 @@ def format_report(report: dict) -> str:
         f"(a streaming read), {report['step_bytes'] / 1e6:.1f} MB read per target step: "
         + (f"plain decoding is bound by {report['bound_tps']:.0f} tok/s" if report["bound_tps"]
            else "the weights fit in this machine's caches, so no memory-bandwidth bound applies"),
+        *([f"exact verification (--exact): every forward of mlx-spec's rows {report['exact_width']} tokens wide"]
+          if report.get("exact_width") else []),
         f"{'':30} {'temp':>4} {'tok/s':>7} {'(min-max)':>13} {'vs plain':>8} {'predicted':>9} {'tau':>5} "
         f"{'c':>5} {'of bound':>8} {'peak MB':>8}  {'acceptance by position':24} greedy = plain",
     ]
@@ -659,8 +654,10 @@ def format_report(report: dict) -> str:
     for r in report["rows"]:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:6])
         same = {None: "", True: "yes", False: "NO"}[r["identical_to_plain"]]
-        if r["rounding_ties"] and r["identical_to_plain"]:
-            same += f" ({r['rounding_ties']} at a rounding tie)"
+        if r["parted"]:  # where, and whether a near-tie the last bits of a logit decide (see --exact)
+            margins = [p["top2_margin"] for p in r["parted"]]
+            same += f" ({len(margins)} parted, top-2 margin {min(margins):.1g}" + \
+                    (": float rounding)" if max(margins) < TIE else ")")
         pred = f"{r['predicted_speedup']:8.2f}x" if r["predicted_speedup"] is not None else f"{'':9}"
         bound = f"{r['of_bound']:.1%}" if r["of_bound"] is not None else "-"
         if r["prediction_note"]:

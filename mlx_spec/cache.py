@@ -91,7 +91,7 @@ class KVCache(_Rows):
         if end <= have:
             return
         size = -(-end // self.step) * self.step
-        B, H, _, Dk = k.shape
+        B, (_, H, _, Dk) = self.rows, k.shape
         grow_k = mx.zeros((B, H, size - have, Dk), k.dtype)
         grow_v = mx.zeros((B, H, size - have, v.shape[3]), v.dtype)
         if self.keys is None:
@@ -170,6 +170,35 @@ class KVCache(_Rows):
         if self.keys is None:
             return []
         return [self.keys, self.values]
+
+
+class RowOf(_Rows):
+    """Row b of a batch's `KVCache` as a cache of its own (exact verification runs a batch's rows
+    one forward each): it writes into the batch's buffer, and its `keys` are that row's buffer."""
+
+    def __init__(self, cache: KVCache, b: int):
+        self.cache, self.b = cache, b
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.cache.lengths[self.b]]
+
+    @property
+    def keys(self) -> mx.array:
+        return self.cache.keys[self.b : self.b + 1]
+
+    @property
+    def values(self) -> mx.array:
+        return self.cache.values[self.b : self.b + 1]
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        c, b = self.cache, self.b
+        start, end = c.lengths[b], c.lengths[b] + k.shape[2]
+        c._reserve(end, k, v)
+        c.keys[b : b + 1, :, start:end] = k
+        c.values[b : b + 1, :, start:end] = v
+        c.lengths[b] = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 # The tape holds the last forwards of at most this many tokens in all (verifications, decoding

@@ -268,8 +268,14 @@ def _drafter(args: argparse.Namespace, target):
                        topk=args.topk, block_size=args.block_size)
 
 
+def _add_exact_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--exact", action="store_true",
+                   help="bit for bit: every target forward one width, plain steps too, so no drafter changes a bit of "
+                        "the logits on any backend (checked at start-up; costs plain steps their width)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from mlx_spec import api
+    from mlx_spec import api, exact
     from mlx_spec.generate import Generation
 
     params = _sampling(args)
@@ -286,14 +292,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          template_args=template_args)
     if not ids:
         raise UserError("--prompt: the prompt is empty")
+    width = api.exact_width(target, [drafter], args.num_draft) if args.exact else None
     result = Generation(prompt_tokens=ids)
     for segment in api.stream(target, ids, drafter, params=params, max_tokens=args.max_tokens,
-                              num_draft=args.num_draft, acceptance=args.acceptance, result=result):
+                              num_draft=args.num_draft, acceptance=args.acceptance, result=result, width=width):
         if not args.json:
             print(segment, end="", flush=True)
-    identical = None
-    if args.check:
-        identical = api.generate(target, ids, params=params, max_tokens=args.max_tokens).tokens == result.tokens
+    identical = parted = None
+    if args.check:  # plain decoding the same way: with --exact, as wide
+        plain = api.generate(target, ids, params=params, max_tokens=args.max_tokens, width=width).tokens
+        identical, parted = plain == result.tokens, exact.parted(target.model, ids, plain, result.tokens)
     m = result.metrics
     if args.json:
         out = {
@@ -311,6 +319,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out["rounds"] = [f"{why}; kept {kept}" for why, kept in result.rounds]
         if identical is not None:
             out["identical_to_plain"] = identical
+            out["parted_from_plain"] = parted and {"token": parted[0], "top2_margin": parted[1]}
+        if width:
+            out["exact_width"] = width
         print(json.dumps(out))
     else:
         print()
@@ -324,7 +335,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.drafter != "none":
             stats += f"; {m.tau:.2f} tokens per target forward, {m.acceptance_rate:.0%} of drafts accepted"
         if identical is not None:
-            stats += f"; identical to plain: {identical}"
+            stats += f"; identical to plain{' (both exact)' if width else ''}: {identical}"
+            if parted:
+                stats += f" (parted at token {parted[0] + 1}, where plain decoding's two best logits were {parted[1]:.2g} apart)"
         print(stats + "]", file=sys.stderr)
     return 0
 
@@ -363,7 +376,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if load is not None:
         store.load(load)  # a damaged file is refused here, in one line, before the model loads
     loading = dict(template_args=_template_args(args), extra_eos=args.extra_eos_token, adapter_path=args.adapter_path,
-                   revision=args.revision, drafter_revision=args.drafter_revision)
+                   revision=args.revision, drafter_revision=args.drafter_revision, exact=args.exact)
     if not sys.stdin.isatty():
         from mlx_spec.tui.lines import run_lines
 
@@ -385,7 +398,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(args.model, args.drafter, args.host, args.port, args.revision, args.max_batch, args.max_queue,
               args.max_tokens, args.timeout, drafter_revision=args.drafter_revision, extra_eos=args.extra_eos_token,
               adapter_path=args.adapter_path, system=args.system,
-              template_args=thinking_args(args.think, _template_args(args)), read_timeout=args.read_timeout)
+              template_args=thinking_args(args.think, _template_args(args)), read_timeout=args.read_timeout,
+              exact=args.exact)
     except KeyboardInterrupt:
         pass
     return 0
@@ -416,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter_args(g)
     _add_draft_aliases(g, "--drafter")
     g.add_argument("--check", action="store_true", help="also decode plainly and report whether the outputs are identical")
+    _add_exact_arg(g)
     g.add_argument("--explain", action="store_true",
                    help="say, for each round, the K the policy chose and why (expected tokens, cost; on stderr)")
     distributed.add_arguments(g)
@@ -448,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default=None, metavar="B,B,...",
                    help="also measure B sequences decoded together, e.g. 1,4,16 (throughput with B in flight, each finished "
                         "one replaced by the next, at each temperature, every method by turns; plain decoding twice: the run's noise; a method's num-draft fixes its K there too)")
+    _add_exact_arg(b)
     b.add_argument("--no-mlx-lm", action="store_true",
                    help="leave out mlx-lm's rows (they hold a second copy of the target's weights)")
     b.add_argument("--plot", default=None, metavar="OUT.png",
@@ -467,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", "-m", type=integer(1), default=512,
                    help="per answer (the conversation and these within the model's context)")
     c.add_argument("--load", default=None, metavar="FILE.json", help="continue a saved conversation")
+    _add_exact_arg(c)
     _add_template_args(c)
     distributed.add_arguments(c)
     c.set_defaults(func=cmd_chat)
@@ -482,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     sv.add_argument("--port", type=integer(0, 65535), default=8080)
     sv.add_argument("--max-batch", type=integer(1), default=16, help="requests decoded together")
+    _add_exact_arg(sv)
     sv.add_argument("--max-queue", type=integer(1), default=64, help="requests waiting beyond the batch (then 503)")
     sv.add_argument("--max-tokens", type=integer(1), default=4096, help="the most a request may ask for")
     sv.add_argument("--timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=600.0,

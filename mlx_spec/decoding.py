@@ -10,7 +10,10 @@
 
 `generate`, the chat and the benchmark run a batch of one (`speculative_steps`); the server
 the same rounds with more rows, joining and leaving between rounds. Exact: greedy output is
-plain greedy decoding's, token for token; sampled output is distributed as the target's."""
+plain greedy decoding's, token for token; sampled output is distributed as the target's. With
+a `width` (`--exact`, `mlx_spec.exact`), every forward of a row is that many tokens wide, plain
+rounds too, and a batch's rows run one forward each: bit for bit on any backend whose kernels
+the probe passed."""
 
 from __future__ import annotations
 
@@ -20,9 +23,9 @@ from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_spec import host, tree
+from mlx_spec import exact, host, tree
 from mlx_spec.attention import TreeMask
-from mlx_spec.cache import KVCache, cut_cache, keep_cache, rewound, trim_cache
+from mlx_spec.cache import KVCache, RowOf, cut_cache, keep_cache, rewound, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
 from mlx_spec.logprobs import gather, read as read_logprobs
@@ -63,13 +66,16 @@ class Row:
 class Decoder:
     """Continuous batching over one target: `add` a sequence (its prompt is read alone, then it joins),
     `step` runs one round for every row and returns each row's event; a row leaves once it has produced
-    `max_tokens` (with `keep_finished`, it stays, holding its cache for a next turn)."""
+    `max_tokens` (with `keep_finished`, it stays, holding its cache for a next turn). `width`: every
+    target forward of a row that many tokens wide (exact verification, `mlx_spec.exact`)."""
 
     def __init__(self, model, k_max: int | None = None, num_draft: int | None = None, acceptance: str = "exact",
-                 cache: list[KVCache] | None = None, keep_finished: bool = False, policy: Policy | None = None):
+                 cache: list[KVCache] | None = None, keep_finished: bool = False, policy: Policy | None = None,
+                 width: int | None = None):
         if acceptance not in ("exact", "typical"):
             raise UserError(f"--acceptance must be exact or typical, got '{acceptance}'")
-        self.model, self.acceptance, self.keep_finished = model, acceptance, keep_finished
+        k_max = exact.most(k_max, num_draft, width)
+        self.model, self.acceptance, self.keep_finished, self.width = model, acceptance, keep_finished, width
         self.cache = cache if cache is not None else model.make_cache(rows=0)
         self.held = cache is not None  # a kept one-row cache the first row may continue
         self.rows: list[Row] = []
@@ -166,15 +172,18 @@ class Decoder:
                                        [rows[b].params for _, b in members])
             for (_, b), draft in zip(members, proposed):
                 drafts[b] = draft.to_depth(ks[b])  # a round never commits more than k + 1 tokens
+                if self.width:
+                    drafts[b] = drafts[b].only(exact.fits(drafts[b].parents, starts[b], self.width))
         mx.async_eval([a for d in drafts for a in (d.tokens, d.log_probs) if a is not None])
         dispatched = time.perf_counter()  # the drafts compute while the verification and its verdicts are built
         capture = self._capture()
-        inputs, positions, mask = self._inputs(drafts, starts)
         one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
-        if one is not None and positions is None:  # self-speculation may reuse its own forward
-            logits, hidden = one.verify_forward(self.model, inputs, self.cache, capture)
+        if self.width and len(rows) > 1:
+            logits, hidden = self._forward([self._inputs([r], [d], [s]) for r, d, s in zip(rows, drafts, starts)], capture)
+        elif one is not None and not self.width and drafts[0].parents is None:  # self-speculation may reuse its own forward
+            logits, hidden = one.verify_forward(self.model, self._inputs(rows, drafts, starts)[0], self.cache, capture)
         else:
-            logits, hidden = self.model(inputs, self.cache, positions=positions, mask=mask, capture=capture)
+            logits, hidden = self._forward([self._inputs(rows, drafts, starts)], capture)
         params = [r.params for r in rows]
         lazy = verdict_arrays(logits, drafts, params, self.acceptance)
         asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])
@@ -200,20 +209,32 @@ class Decoder:
         self._finish()
         return events
 
-    def _inputs(self, drafts: list[Draft], starts: list[int]):
-        """Tokens `[B, S]` of one verification (each row's pending token and draft, padded), with
-        positions `[B, S]` and a mask `[B, 1, S, L + S]` where a row drafted a tree (each row sees its
-        own cache and its draft's ancestry); chains need neither (the cache's own mask and per-row offsets)."""
-        S = 1 + max(len(d) for d in drafts)
+    def _forward(self, inputs: list[tuple], capture: tuple[int, ...]) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The target over `inputs`: (tokens, positions, mask) for the batch, or under exact verification
+        with more rows, one a row, each its own forward (a kernel's rows may depend on how many share it)."""
+        if len(inputs) == 1:
+            tokens, positions, mask = inputs[0]
+            return self.model(tokens, self.cache, positions=positions, mask=mask, capture=capture,
+                              **({"exact": True} if self.width else {}))
+        outs = [self.model(tokens, [RowOf(c, b) for c in self.cache], positions=positions, mask=mask,
+                           capture=capture, exact=True) for b, (tokens, positions, mask) in enumerate(inputs)]
+        return mx.concatenate([o[0] for o in outs]), tuple(mx.concatenate(h) for h in zip(*(o[1] for o in outs)))
+
+    def _inputs(self, rows: list[Row], drafts: list[Draft], starts: list[int]):
+        """Tokens `[B, S]` of one verification (each row's pending token and draft, padded; S the
+        width under exact verification), with positions `[B, S]` and a mask `[B, 1, S, L + S]` where a row
+        drafted a tree (each row sees its own cache and its draft's ancestry); chains need neither (the
+        cache's own mask and per-row offsets)."""
+        S = self.width or 1 + max(len(d) for d in drafts)
         tokens = mx.concatenate([mx.concatenate([mx.array(r.context[-1:], dtype=mx.int32), d.tokens,
                                                  mx.zeros((S - 1 - len(d),), dtype=mx.int32)])[None]
-                                 for r, d in zip(self.rows, drafts)])
+                                 for r, d in zip(rows, drafts)])
         if all(d.parents is None for d in drafts):
             return tokens, None, None
-        if len(drafts) == 1:  # one tree: its parents, for the tree-attention kernel
-            parents = drafts[0].parents
-            positions = mx.array([0] + tree.depths(parents)) + starts[0]
-            return tokens, positions[None], TreeMask((-1, *(p + 1 for p in parents)), starts[0])
+        if len(drafts) == 1:  # one tree: its parents, for the tree-attention kernel (padding: the pending token's children)
+            parents, pad = drafts[0].parents, S - 1 - len(drafts[0])
+            positions = mx.array([0] + tree.depths(parents) + [1] * pad) + starts[0]
+            return tokens, positions[None], TreeMask((-1, *(p + 1 for p in parents), *[0] * pad), starts[0])
         chains = [d.parents if d.parents is not None else list(range(-1, len(d) - 1)) for d in drafts]
         return (tokens, *map(mx.array, tree.batch_layout(chains, starts, S)))  # positions, mask
 
@@ -259,7 +280,14 @@ class Decoder:
         """The next token of every row `[B]` after `tokens` `[B, 1]`, the hidden states `capture` names
         there, what the rows asking for log-probabilities get and the distributions drawn from
         `[B, V]` (None when every row is greedy), lazy."""
-        logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
+        if self.width:  # the rest of the width: throwaway tokens, their keys cut at once
+            tokens = mx.concatenate([tokens, mx.zeros((len(self.rows), self.width - 1), mx.int32)], axis=1)
+            one = [(tokens, None, None)] if len(self.rows) == 1 else [(tokens[b : b + 1], None, None) for b in range(len(self.rows))]
+            logits, hidden = self._forward(one, capture)
+            trim_cache(self.cache, self.width - 1)
+            logits, hidden = logits[:, :1], tuple(h[:, :1] for h in hidden)
+        else:
+            logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
         y, lp = draw_rows(logits[:, -1], [r.params for r in self.rows])
         return y, hidden, gather(self.rows, lambda b: logits[b]), lp
 
@@ -289,20 +317,23 @@ class Decoder:
 
 def speculative_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
                       drafter: Drafter | None = None, num_draft: int | None = None, k_max: int | None = None,
-                      cache: list[KVCache] | None = None, acceptance: str = "exact") -> Iterator[StepEvent]:
+                      cache: list[KVCache] | None = None, acceptance: str = "exact",
+                      width: int | None = None) -> Iterator[StepEvent]:
     """One sequence: the batch of one, an event per round. `num_draft` fixes K (a tree's depth);
     otherwise K adapts (`policy.Policy`), up to `k_max` or the drafter's own most. A `cache` given
     may already hold the prompt's first tokens (an earlier chat turn): as much is kept as the drafter's
-    own state still matches.
+    own state still matches. `width`: exact verification (`mlx_spec.exact`).
     `acceptance="typical"` is Medusa's lossy rule for trees at temperature > 0."""
+    k_max = exact.most(k_max, num_draft, width)
     decoder = Decoder(model, k_max, num_draft, acceptance, cache, keep_finished=True,
-                      policy=Policy.remembered(drafter, params, k_max, num_draft))
+                      policy=Policy.remembered(drafter, params, k_max, num_draft), width=width)
     decoder.add(0, list(prompt), params, max_tokens, drafter)
     while not decoder.done:
         yield decoder.step()[0]
 
 
 def plain_steps(model, prompt: Sequence[int], params: SamplingParams, max_tokens: int,
-                cache: list[KVCache] | None = None) -> Iterator[StepEvent]:
-    """Plain decoding of one sequence (the reference every drafter must equal)."""
-    return speculative_steps(model, prompt, params, max_tokens, cache=cache)
+                cache: list[KVCache] | None = None, width: int | None = None) -> Iterator[StepEvent]:
+    """Plain decoding of one sequence (the reference every drafter must equal; with `width`, the
+    reference of exact verification at that width)."""
+    return speculative_steps(model, prompt, params, max_tokens, cache=cache, width=width)

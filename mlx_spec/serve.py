@@ -390,13 +390,13 @@ class Engine:
     """The one thread that runs MLX: admits requests, steps the batch, answers. Under --shard every rank
     runs one, rank 0's planning each round for all (`Plan`)."""
 
-    def __init__(self, model, tokenizer, drafter, max_batch: int, max_queue: int):
+    def __init__(self, model, tokenizer, drafter, max_batch: int, max_queue: int, width: int | None = None):
         from mlx_spec.decoding import Decoder
 
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter  # one drafter: a row per request
         self.max_batch = max_batch
         self.waiting: queue.Queue = queue.Queue(max_queue)
-        self.decoder = Decoder(model)
+        self.decoder = Decoder(model, width=width)  # width: exact verification, each row a forward of its own
         self.live: dict[str, Live] = {}
         self.stopping = False
         self.digest = 0  # `Plan.digest`
@@ -904,10 +904,11 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None, *, drafter_revision: str | None = None,
           extra_eos: Sequence[str] = (), adapter_path: str | None = None, system: str = "",
-          template_args: dict | None = None, read_timeout: float = READ_TIMEOUT) -> None:
+          template_args: dict | None = None, read_timeout: float = READ_TIMEOUT, exact: bool = False) -> None:
     """Load the model and drafter, then serve until SIGINT or SIGTERM (or `shutdown()` of the server
     appended to `servers`). `system` and `template_args` are what a request gets where it says nothing
-    else (a system message first; the chat template's arguments under the request's own)."""
+    else (a system message first; the chat template's arguments under the request's own). `exact`:
+    exact verification (`mlx_spec.exact`): a request's answer is, bit for bit, the one it gets alone."""
     from mlx_spec import api
 
     api.check_published(drafter_spec, model_name)
@@ -917,7 +918,8 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
     if drafter is not None and drafter.one_row:
         raise UserError(f"--drafter {drafter_spec}: it drafts into the target's own cache and decodes one "
                         "sequence at a time; serve another drafter")
-    engine = Engine(model, tokenizer, drafter, max_batch, max_queue)
+    width = api.exact_width(target, [drafter]) if exact else None
+    engine = Engine(model, tokenizer, drafter, max_batch, max_queue, width)
     main = threading.current_thread() is threading.main_thread()  # (only there can handlers be set)
     if not distributed.leading():  # under --shard: rank 0 listens, and says when to stop (Ctrl-C reaches every rank)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -945,8 +947,8 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
         servers.append(server)
     if ready is not None:
         ready.set()
-    print(f"mlx-spec serving {model_name} (drafter: {drafter_spec}) on http://{host}:{server.server_port}/v1",
-          flush=True)
+    print(f"mlx-spec serving {model_name} (drafter: {drafter_spec}"
+          f"{f'; exact, {width} tokens wide' if width else ''}) on http://{host}:{server.server_port}/v1", flush=True)
     try:
         server.serve_forever()
     finally:

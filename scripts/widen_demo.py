@@ -1,7 +1,7 @@
 """Widen the demo into a target of real size that computes the same function, with its drafters.
 
     python scripts/widen_demo.py OUT [--size 0.2b|3b] [--hidden D] [--heads H] [--intermediate I]
-                                     [--layers L] [--dtype float32|bfloat16|float16] [--seed 0]
+                                     [--layers L] [--dtype float32|bfloat16|float16] [--seed 0] [--pair WORK]
     mlx-spec generate --model OUT/target --drafter eagle3=OUT/eagle3 --check --prompt ...
 
 The demo target (a Qwen3: hidden size 256, 4 query heads over 2 key-value heads of 64, 768 MLP
@@ -182,9 +182,12 @@ def widen_folder(src: Path, out: Path, target: dict, sizes: dict[str, int], grow
 
 
 def widen(out: Path, hidden: int, heads: int, intermediate: int, layers: int, dtype: str = "float32",
-          seed: int = 0) -> None:
-    """Write OUT/target, OUT/layerskip and the demo's drafters, widened (see the module's docstring)."""
-    target = json.loads((demo.path("target") / "config.json").read_text())
+          seed: int = 0, pair: Path | None = None) -> None:
+    """Write OUT/target, OUT/layerskip and the demo's drafters, widened (see the module's docstring); with
+    `pair` (a folder `scripts/heldout_pair.py` wrote), its target widened and its student copied instead."""
+    widened, copied = ({name: demo.path(name) for name in WIDENED}, {name: demo.path(name) for name in COPIED}) \
+        if pair is None else ({"target": pair / "target-lm"}, {"student": pair / "student"})
+    target = json.loads((widened["target"] / "config.json").read_text())
     h, g, hd = target["num_attention_heads"], target["num_key_value_heads"], target["head_dim"]
     group = h // g
     floors = {"--hidden": (hidden, target["hidden_size"]), "--heads": (heads, h),
@@ -200,11 +203,11 @@ def widen(out: Path, hidden: int, heads: int, intermediate: int, layers: int, dt
     grow = {"d": (target["hidden_size"], hidden), "q": (h * hd, heads * hd), "k": (g * hd, heads // group * hd),
             "i": (target["intermediate_size"], intermediate)}
     rng = np.random.default_rng(seed)
-    for name in WIDENED:
-        n = widen_folder(demo.path(name), out / name, target, sizes, grow, layers, name in GROWN, dtype, rng)
+    for name, src in widened.items():
+        n = widen_folder(src, out / name, target, sizes, grow, layers, name in GROWN, dtype, rng)
         print(f"{name}: {n / 1e6:.1f}M parameters -> {out / name}", flush=True)
-    for name in COPIED:
-        replace_atomically(out / name, partial(shutil.copytree, demo.path(name), dirs_exist_ok=True))
+    for name, src in copied.items():
+        replace_atomically(out / name, partial(shutil.copytree, src, dirs_exist_ok=True))
         print(f"{name}: as it is -> {out / name}", flush=True)
 
 
@@ -219,9 +222,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="float32 on CPUs (bf16/fp16 matmul there skips BLAS), bfloat16 on GPUs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pair", type=Path, default=None, metavar="WORK",
+                        help="widen the target of scripts/heldout_pair.py's WORK (and copy its student) instead of the demo")
     args = parser.parse_args(argv)
     shape = {k: getattr(args, k) or v for k, v in SIZES[args.size].items()}
-    widen(args.out, **shape, dtype=args.dtype, seed=args.seed)
+    widen(args.out, **shape, dtype=args.dtype, seed=args.seed, pair=args.pair)
 
 
 if __name__ == "__main__":

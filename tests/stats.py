@@ -54,7 +54,7 @@ def tv_bound(p, n, quantile=0.999, sims=4000):
 ALONE, ROWS = 100, 50
 
 
-def _draws(model, make_drafter, params, n_tokens, acceptance="exact"):
+def _draws(model, make_drafter, params, n_tokens, acceptance="exact", width=None):
     """Speculative samples of `n_tokens` from seed 0: the first ALONE a sequence at a time (the batch of one,
     as `generate` decodes), then ROWS at a time in one batch (as the server does; a drafter that holds one
     row only, a sequence at a time still)."""
@@ -62,10 +62,11 @@ def _draws(model, make_drafter, params, n_tokens, acceptance="exact"):
     for i in itertools.count():
         drafter = make_drafter()
         if i < ALONE or drafter.one_row:
-            events = speculative_steps(model, STAT_PROMPT, params, n_tokens, drafter, num_draft=3, acceptance=acceptance)
+            events = speculative_steps(model, STAT_PROMPT, params, n_tokens, drafter, num_draft=3, acceptance=acceptance,
+                                       width=width)
             yield tuple(tokens_of(events))
             continue
-        decoder = Decoder(model, num_draft=3, acceptance=acceptance)
+        decoder = Decoder(model, num_draft=3, acceptance=acceptance, width=width)
         for b in range(ROWS):
             decoder.add(b, STAT_PROMPT, params, n_tokens, drafter)
         out = {b: [] for b in range(ROWS)}

@@ -1,4 +1,4 @@
-"""The benchmark's analysis: rounding ties, the seed's prediction."""
+"""The benchmark's analysis: where greedy outputs part, the seed's prediction."""
 
 import pytest
 
@@ -8,14 +8,18 @@ from mlx_spec.metrics import Metrics
 from mlx_spec.models import load_model
 
 
-def test_a_greedy_divergence_is_a_tie_only_within_rounding(checkpoints, monkeypatch):
+def test_a_greedy_divergence_is_placed_and_its_margin_measured(checkpoints):
+    import mlx.core as mx
+
+    from mlx_spec import exact
+
     model = load_model(str(checkpoints["qwen3"]))[0]
     prompt, plain = [1, 2, 3], [5, 6, 7, 8]
-    other = [5, 6, 9, 9]
-    assert not bench.at_a_tie(model, prompt, plain, other)  # a random model's margins are far wider
-    monkeypatch.setattr(bench, "TIE", float("inf"))
-    assert bench.at_a_tie(model, prompt, plain, other)
-    assert not bench.at_a_tie(model, prompt, plain, plain[:2])  # stopped early
+    token, margin = exact.parted(model, prompt, plain, [5, 6, 9, 9])
+    logits, _ = model(mx.array([prompt + plain[:2]]))
+    top = sorted(logits[0, -1].tolist())[-2:]
+    assert token == 2 and margin == pytest.approx(top[1] - top[0]) and margin > 1e-3  # a random model's: far from a tie
+    assert exact.parted(model, prompt, plain, plain[:2]) is None  # stopped early: not parted
 
 
 def test_prediction_follows_the_seed_formula():

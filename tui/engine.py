@@ -37,6 +37,7 @@ class Load:
     drafter_revision: str | None = None
     extra_eos: Sequence[str] = ()  # more tokens to stop at (`--extra-eos-token`)
     adapter_path: str | None = None  # mlx-lm LoRA adapters for the target (`--adapter-path`)
+    exact: bool = False  # exact verification (`--exact`)
 
 
 @dataclass
@@ -119,6 +120,8 @@ class State:
     drafter_revision: str | None = None
     drafter: object = None
     drafter_spec: str = "none"
+    exact: bool = False
+    width: int | None = None  # exact verification: every forward's width, for the drafter in use
     cache: list | None = None
     context: list[int] = field(default_factory=list)  # the tokens the cache was built from
 
@@ -178,9 +181,10 @@ class Engine:
                               report=self._say)
         s = self.state
         s.target, s.model, s.tokenizer = target, target.model, target.tokenizer
-        s.model_name, s.drafter_revision = job.model, job.drafter_revision
+        s.model_name, s.drafter_revision, s.exact = job.model, job.drafter_revision, job.exact
         s.cache, s.context = None, []
         s.drafter, s.drafter_spec = None, "none"
+        s.width = api.exact_width(target) if s.exact else None
         if job.drafter != "none":
             self.emit(Status(f"loading drafter {job.drafter}…"))
             with reporting(self.emit):
@@ -204,7 +208,8 @@ class Engine:
         if s.model is None:
             raise UserError("no model is loaded")
         drafter = api.drafter(spec, s.target, report=self._say, revision=s.drafter_revision)
-        s.drafter, s.drafter_spec = drafter, spec if drafter is not None else "none"
+        width = api.exact_width(s.target, [drafter]) if s.exact else None
+        s.drafter, s.drafter_spec, s.width = drafter, spec if drafter is not None else "none", width
 
     def _generate(self, job: Generate) -> None:
         from mlx_spec.cache import rewound
@@ -227,9 +232,9 @@ class Engine:
         s.context = list(prompt)  # the tokens whose K/V the cache will hold grow from here
         params = SamplingParams(temp=job.temp, top_p=job.top_p)
         if s.drafter is None:
-            steps = partial(plain_steps, cache=s.cache)
+            steps = partial(plain_steps, cache=s.cache, width=s.width)
         else:
-            steps = partial(speculative_steps, drafter=s.drafter, cache=s.cache)
+            steps = partial(speculative_steps, drafter=s.drafter, cache=s.cache, width=s.width)
 
         def recorded(*args):
             for event in distributed.lockstep(steps(*args), (args[1:], reused)):  # (args[0]: the model)

@@ -74,12 +74,16 @@ class Draft:
 
     def to_depth(self, k: int) -> Draft:
         """A tree cut to depth <= k (a chain as it is)."""
+        return self if self.parents is None else self.only(tree.truncate(self.parents, k))
+
+    def only(self, keep: list[int]) -> Draft:
+        """The draft of nodes `keep` alone (ascending; in a tree, each node's parent kept too; in a chain, a prefix)."""
         if self.parents is None:
-            return self
-        keep = tree.truncate(self.parents, k)
+            n = min(len(keep), len(self))
+            return self if n == len(self) else Draft(self.tokens[:n], self.log_probs[:n] if self.log_probs is not None else None)
         if len(keep) == len(self):
             return self
-        idx = mx.array(keep)
+        idx = mx.array(keep, dtype=mx.int32)
         lp = self.log_probs[idx] if self.log_probs is not None else None
         return Draft(self.tokens[idx], lp, tree.subtree(self.parents, keep))
 

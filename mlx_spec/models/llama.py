@@ -4,7 +4,7 @@ Parameter names are the Hugging Face checkpoint names, so a checkpoint loads
 without renaming. The forward follows mlx-spec's target contract:
 
     logits, hidden = model(tokens, cache, positions=None, mask=None,
-                           capture=(), exit_layer=None)
+                           capture=(), exit_layer=None, exact=False)
 
 - `positions` `[B, S]` or `[S]`: per-token RoPE positions (tree nodes share
   depths); default: each row's cache length onwards.
@@ -16,6 +16,7 @@ without renaming. The forward follows mlx-spec's target contract:
   `num_hidden_layers` is the last layer's output before the final norm.
   `hidden` holds one `[B, S, H]` array per index, in order.
 - `exit_layer=E`: run layers 0..E-1, then the final norm and LM head (LayerSkip).
+- `exact=True`: attention over whole blocks of keys, each query on its own (`mlx_spec.exact`).
 
 Mistral's `sliding_window` W (Mistral-7B-v0.1's 4096): each token attends to the
 last W positions, itself included, once the text is longer; a tree reaching past
@@ -31,9 +32,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_spec import exact
 from mlx_spec.attention import TreeMask, tree_attention
 from mlx_spec.cache import KVCache, make_cache
 from mlx_spec.errors import UserError
+from mlx_spec.exact import ExactMask
 from mlx_spec.models.config import ModelArgs
 from mlx_spec.models.rope import RoPE
 
@@ -94,6 +97,8 @@ class Attention(nn.Module):
             k, v = cache.update_and_fetch(k, v)  # [B, H_kv, cached + S, D]
         if isinstance(mask, TreeMask):
             return tree_attention(q, k, v, mask, self.scale)
+        if isinstance(mask, ExactMask):  # whole blocks of the cache's buffer
+            return exact.attention(q, cache.keys, cache.values, mask, self.scale)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
@@ -209,10 +214,21 @@ class Model(nn.Module):
         return h
 
     def masks(self, S: int, first: KVCache | None, layers: range, tree=None,
-              positions: mx.array | None = None) -> list:
+              positions: mx.array | None = None, exact: bool = False) -> list:
         """Each of `layers`' masks over S new tokens: causal, from `first`, the cache of the first
-        of them (LayerSkip's first layers run ahead of the rest), or the `tree` mask given."""
+        of them (LayerSkip's first layers run ahead of the rest), or the `tree` mask given; `exact`:
+        as an `ExactMask` (`mlx_spec.exact`)."""
         window = self.args.sliding_window
+        if exact:
+            held = max(first.lengths)
+            if tree is None:
+                mask = first.make_mask(S, return_array=True, window_size=window if window and held + S > window else None)
+            else:
+                mask = tree.dense[None, None] if isinstance(tree, TreeMask) else tree
+                if window and held + S > window:
+                    raise UserError(f"--exact: a tree reaching past the sliding window ({window} tokens) of this "
+                                    f"{self.model_type} target: verify chains (no --tree, --tree-budget)")
+            return [ExactMask.of(mask)] * len(layers)
         if tree is None:
             return [default_mask(S, [first] if first is not None else None, window)] * len(layers)
         if window and (max(first.lengths) if first is not None else 0) + S > window:
@@ -246,6 +262,7 @@ class Model(nn.Module):
         mask: mx.array | None = None,
         capture: Sequence[int] = (),
         exit_layer: int | None = None,
+        exact: bool = False,
     ) -> tuple[mx.array, tuple[mx.array, ...]]:
         n_layers = len(self.layers) if exit_layer is None else exit_layer
         if not 0 < n_layers <= len(self.layers):
@@ -253,7 +270,7 @@ class Model(nn.Module):
         if any(not 0 <= i <= n_layers for i in capture):
             raise ValueError(f"capture indices must be in 0..{n_layers}, got {list(capture)}")
         h = self.embed(tokens)  # [B, S, H]
-        masks = self.masks(tokens.shape[1], cache[0] if cache else None, range(n_layers), mask, positions)
+        masks = self.masks(tokens.shape[1], cache[0] if cache else None, range(n_layers), mask, positions, exact)
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
         for i in range(n_layers):

@@ -401,9 +401,14 @@ class Model(LlamaModel):
     def make_cache(self, rows: int = 1) -> list:
         return [RecurrentCache(rows) if kind == RECURRENT else KVCache(rows) for kind in self.kinds]
 
-    def masks(self, S: int, first, layers: range, tree=None, positions: mx.array | None = None) -> list:
+    def masks(self, S: int, first, layers: range, tree=None, positions: mx.array | None = None,
+              exact: bool = False) -> list:
         """Per layer of `layers`: its causal or sliding-window mask, none for a linear-attention
-        layer; with a `tree`, the tree's mask (within each sliding layer's window)."""
+        layer; with a `tree`, the tree's mask (within each sliding layer's window). Exact
+        verification (`exact`) needs mlx-spec's own attention: refused."""
+        if exact:
+            raise UserError(f"--exact: a {self.model_type} target runs on mlx-lm's attention; exact verification "
+                            "needs mlx-spec's own (the Llama, Mistral, Qwen2 and Qwen3 families)")
         if tree is not None and not self.verifies_trees:
             raise UserError(f"a {self.model_type} target verifies chains only (its linear-attention layers "
                             "roll back a chain): give no --tree or --tree-budget")

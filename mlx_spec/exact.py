@@ -1,0 +1,171 @@
+"""Exact verification (`--exact`): the drafter never changes a bit of the target's logits.
+
+A forward of K+1 tokens runs other kernels than a forward of one (a matrix product for a
+matrix-vector product, reductions over other lengths), so a token verified among drafts gets
+logits a few units in the last place away from the same token decoded alone, and a near-tie
+flips. Here every decoding forward of a sequence has one width W, plain rounds included
+(padded with throwaway tokens whose keys are cut at once), and each row of a W-wide matrix
+product is computed on its own: a token's logits are then the same whatever row it sits in.
+
+Attention is the other place where a token's result depends on the forward around it: a
+softmax over a key length that changes with the forward's start sums in another order, and a
+product over many queries tiles them (a query's bits then depend on where it sits). Here
+attention reads whole blocks of BLOCK keys (those a query may not see masked: exact zeros) and
+gives each query matrix-vector products of its own, which sum key after key within a block,
+block after block: a key adds its term in the same place whatever the key length, and in a
+tree whatever slot a node's ancestors sit in, so long as each stays in the block its position
+has (`fits`). A batch's rows run one forward each (`decoding.Decoder`): how a kernel tiles the
+rows of a matrix product depends on how many there are.
+
+Whether a backend's kernels keep rows apart at width W is measured, not assumed: `probe`
+decodes a few tokens one W-wide forward at a time and checks the logits bit for bit against
+one forward verifying them all, and `width` takes the first width that holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_spec import tree
+from mlx_spec.cache import trim_cache
+from mlx_spec.errors import UserError
+
+BLOCK = 256  # keys summed as one matrix product (a KVCache grows by whole blocks)
+WIDTHS = (4, 8, 12, 16, 24, 32)  # the widths tried, in order: multiples of the row tiles BLAS kernels use
+DRAFTED = 7  # a chain's most tokens a round unless asked (a width of 8)
+
+
+def blocks(n: int) -> int:
+    """Keys read for `n` keys: whole blocks."""
+    return -(-n // BLOCK) * BLOCK
+
+
+@dataclass(frozen=True)
+class ExactMask:
+    """Which keys each query sees, `[B, 1, S, L]` bool, L whole blocks of the cache's buffer."""
+
+    allowed: mx.array
+
+    @classmethod
+    def of(cls, mask: mx.array) -> "ExactMask":
+        """From a boolean mask `[..., S, n]` over the first n keys: padded to whole blocks with False."""
+        n = mask.shape[-1]
+        pad = [(0, 0)] * (mask.ndim - 1) + [(0, blocks(n) - n)]
+        return cls(mx.pad(mask, pad, constant_values=False))
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, mask: ExactMask, scale: float) -> mx.array:
+    """Attention of queries `[B, H, S, D]` over the cache's keys and values `[B, H_kv, >= L, D]`
+    (its buffer: slots past a row's length hold anything finite) as `mask` allows: `[B, H, S, D]`.
+    Each query's result depends on its own row of the mask and the keys it sees, alone."""
+    B, H, S, D = q.shape
+    Hkv, L = k.shape[1], mask.allowed.shape[-1]
+    g, n = H // Hkv, L // BLOCK
+    k, v = k[:, :, :L], v[:, :, :L]
+    # Each query its own products (one row: no kernel sees how many queries there are, or where each sits).
+    q = (q * scale).reshape(B, Hkv, g * S, 1, D)  # a key-value head's queries together (grouped-query heads)
+    scores = (q @ k[:, :, None].swapaxes(-1, -2))[..., 0, :]  # [B, Hkv, g S, L]: each a dot product over D
+    allowed = mx.broadcast_to(mask.allowed[:, :, None], (B, 1, g, S, L)).reshape(B, 1, g * S, L)
+    scores = mx.where(allowed, scores, -mx.inf)
+    e = mx.exp(scores - scores.max(axis=-1, keepdims=True))  # masked: exactly 0
+    e = e.reshape(B, Hkv, g * S, n, 1, BLOCK).swapaxes(2, 3)  # [B, Hkv, n, g S, 1, BLOCK]
+    # The softmax's denominator as a column of the same product: both sum key after key.
+    v1 = mx.concatenate([v, mx.ones((B, Hkv, L, 1), v.dtype)], axis=-1).reshape(B, Hkv, n, 1, BLOCK, D + 1)
+    parts = (e @ v1)[..., 0, :]  # [B, Hkv, n, g S, D + 1]
+    total = parts[:, :, 0]
+    for i in range(1, n):  # block after block, in order: a block of zeros adds nothing
+        total = total + parts[:, :, i]
+    out = total[..., :D] / total[..., D:]
+    return out.reshape(B, H, S, D)
+
+
+def most(k_max: int | None, num_draft: int | None, width: int | None) -> int | None:
+    """The most tokens a round drafts: `k_max` (None: the drafter's own), and within `width`."""
+    if not width:
+        return k_max
+    if num_draft is not None and num_draft > width - 1:
+        raise UserError(f"--num-draft {num_draft}: exact verification here is {width} tokens wide, "
+                        f"so a round drafts at most {width - 1}")
+    return min(k_max or width - 1, width - 1)
+
+
+def fits(parents: Sequence[int] | None, start: int, width: int) -> list[int]:
+    """Which nodes of a draft (a chain: `parents` None) an exact verification of `width` after the
+    pending token at `start` takes: the first width - 1, and in a tree (node i in slot start + 1 + i,
+    at position start + its depth, 1 for a root) those whose ancestry keeps, each node, the block of
+    keys its position has (their attention then sums what a chain's would, term by term)."""
+    if parents is None:
+        return list(range(width - 1))
+    depth = tree.depths(parents)
+    ok: list[bool] = []
+    for i, p in enumerate(parents[: width - 1]):
+        ok.append((start + 1 + i) // BLOCK == (start + depth[i]) // BLOCK and (p < 0 or ok[p]))
+    return [i for i, x in enumerate(ok) if x]
+
+
+def probe(model, width: int, contexts: Sequence[int] = (40, 301)) -> bool:
+    """Whether forwards of `width` tokens give a token the same logits, bit for bit, in any row:
+    `width` tokens decoded one forward at a time (each padded) against one forward verifying them all,
+    after each of `contexts` random tokens (one block of keys, and two)."""
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    for context in contexts:
+        seq = rng.integers(0, vocab, context + width).tolist()
+
+        def filled():
+            cache = model.make_cache()
+            model(mx.array([seq[:context]]), cache)
+            return cache
+
+        verified, _ = model(mx.array([seq[context:]]), filled(), exact=True)
+        cache, alone = filled(), []
+        for t in range(width):
+            logits, _ = model(mx.array([[seq[context + t]] + [0] * (width - 1)]), cache, exact=True)
+            alone.append(logits[:, 0])
+            trim_cache(cache, width - 1)
+        if not mx.array_equal(mx.stack(alone, axis=1), verified).item():
+            return False
+    return True
+
+
+def parted(model, prompt: list[int], plain: list[int], other: list[int]) -> tuple[int, float] | None:
+    """Where two greedy outputs part (an index into the tokens generated) and plain decoding's top-2 logit
+    margin there (within float rounding: a near-tie the last bits of a logit decide); None where they do not
+    (or one stopped early)."""
+    i = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if i is None:
+        return None
+    logits, _ = model(mx.array(prompt + plain[:i])[None])
+    top = mx.sort(logits[0, -1].astype(mx.float32))[-2:]
+    return i, (top[1] - top[0]).item()
+
+
+def need(drafter, num_draft: int | None = None) -> int:
+    """Tokens a row a round of `drafter` verifies at most: its tree's nodes, else `num_draft` or its own
+    most (at most DRAFTED), and the pending token; plain decoding (None) as the drafters' default."""
+    from mlx_spec.drafters.base import Drafter
+
+    if drafter is not None and type(drafter).verify_forward is not Drafter.verify_forward:
+        raise UserError(f"--exact: the {drafter.kind} drafter verifies with its own partial forwards; "
+                        "exact verification needs every forward whole")
+    if num_draft is not None:
+        return num_draft + 1
+    nodes = getattr(drafter, "budget", None) or len(getattr(drafter, "paths", None) or ())  # a tree's (Medusa: static)
+    if nodes:
+        return nodes + 1
+    return min(drafter.k_max if drafter is not None else DRAFTED, DRAFTED) + 1
+
+
+def width(model, need: int) -> int:
+    """The first width of `WIDTHS` at or above `need` tokens a row at which `probe` holds on `model`."""
+    tried = [w for w in WIDTHS if w >= need]
+    if not tried:
+        raise UserError(f"--exact: a round of {need} tokens is wider than {WIDTHS[-1]}: draft fewer (--num-draft, --tree-budget)")
+    for w in tried:
+        if probe(model, w):
+            return w
+    raise UserError(f"--exact: this backend's kernels give a token other logits in other rows at every width "
+                    f"tried ({', '.join(map(str, tried))}): exact verification cannot hold here")
