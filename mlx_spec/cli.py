@@ -337,7 +337,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if identical is not None:
             stats += f"; identical to plain{' (both exact)' if width else ''}: {identical}"
             if parted:
-                stats += f" (parted at token {parted[0] + 1}, where plain decoding's two best logits were {parted[1]:.2g} apart)"
+                stats += (f" (parted at token {parted[0] + 1}, where plain decoding's two best logits were "
+                          f"{parted[1]:.2g} apart)")
         print(stats + "]", file=sys.stderr)
     return 0
 

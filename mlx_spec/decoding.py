@@ -282,8 +282,8 @@ class Decoder:
         `[B, V]` (None when every row is greedy), lazy."""
         if self.width:  # the rest of the width: throwaway tokens, their keys cut at once
             tokens = mx.concatenate([tokens, mx.zeros((len(self.rows), self.width - 1), mx.int32)], axis=1)
-            one = [(tokens, None, None)] if len(self.rows) == 1 else [(tokens[b : b + 1], None, None) for b in range(len(self.rows))]
-            logits, hidden = self._forward(one, capture)
+            rows = [tokens] if len(self.rows) == 1 else [tokens[b : b + 1] for b in range(len(self.rows))]
+            logits, hidden = self._forward([(t, None, None) for t in rows], capture)
             trim_cache(self.cache, self.width - 1)
             logits, hidden = logits[:, :1], tuple(h[:, :1] for h in hidden)
         else:

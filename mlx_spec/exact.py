@@ -163,7 +163,8 @@ def width(model, need: int) -> int:
     """The first width of `WIDTHS` at or above `need` tokens a row at which `probe` holds on `model`."""
     tried = [w for w in WIDTHS if w >= need]
     if not tried:
-        raise UserError(f"--exact: a round of {need} tokens is wider than {WIDTHS[-1]}: draft fewer (--num-draft, --tree-budget)")
+        raise UserError(f"--exact: a round of {need} tokens is wider than {WIDTHS[-1]}: "
+                        "draft fewer (--num-draft, --tree-budget)")
     for w in tried:
         if probe(model, w):
             return w

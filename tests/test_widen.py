@@ -98,3 +98,17 @@ def test_shape_it_cannot_widen_to_is_refused(widen, tmp_path):
         widen([str(tmp_path), "--heads", "5"])
     with pytest.raises(SystemExit, match="below the demo's 256"):
         widen([str(tmp_path), "--hidden", "128"])
+
+
+def test_a_held_out_pair_widens_its_target_and_copies_its_student(widen, greedy, prompts, tmp_path):
+    """`--pair WORK` (a folder scripts/heldout_pair.py wrote: target-lm, student): here the demo's own."""
+    import shutil
+
+    pair = tmp_path / "pair"
+    shutil.copytree(demo.path("target"), pair / "target-lm")
+    shutil.copytree(demo.path("student"), pair / "student")
+    widen([str(tmp_path / "out"), *SHAPE, "--pair", str(pair)])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["student", "target"]
+    target = load_model(str(tmp_path / "out" / "target"))[0]
+    assert target.args.hidden_size == 384
+    assert [t for e in plain_steps(target, prompts[0], GREEDY, MAX_TOKENS) for t in e.tokens] == greedy("target", 0, 0)
