@@ -141,7 +141,6 @@ def test_rows_of_a_served_batch_are_exact_plain_alone_under_openblas(tmp_path):
     answer the one `--exact` plain decoding gives its prompt alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    sys.path.insert(0, str(HERE))
     from exactness import near_ties
 
     model = str(near_ties(tmp_path / "qwen3", "qwen3", 0))
