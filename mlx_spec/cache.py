@@ -77,10 +77,13 @@ class _Rows:
         return 0 <= n <= min(self.lengths, default=0)
 
 
+STEP = 256  # slots a buffer grows by: exact verification reads whole steps (`mlx_spec.exact.BLOCK`)
+
+
 class KVCache(_Rows):
     """Keys/values of one attention layer for `rows` rows, `[B, H_kv, capacity, D]`."""
 
-    def __init__(self, rows: int = 1, step: int = 256):
+    def __init__(self, rows: int = 1, step: int = STEP):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.lengths = [0] * rows

@@ -30,10 +30,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import tree
-from mlx_spec.cache import trim_cache
+from mlx_spec.cache import STEP, trim_cache
 from mlx_spec.errors import UserError
 
-BLOCK = 256  # keys summed as one matrix product (a KVCache grows by whole blocks)
+BLOCK = STEP  # keys summed block by block: a KVCache's buffer holds whole blocks
 WIDTHS = (4, 8, 12, 16, 24, 32)  # the widths tried, in order: multiples of the row tiles BLAS kernels use
 DRAFTED = 7  # a chain's most tokens a round unless asked (a width of 8)
 

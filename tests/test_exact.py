@@ -168,3 +168,21 @@ def test_rows_of_a_served_batch_are_exact_plain_alone_under_openblas(tmp_path):
         server.terminate()
         server.wait(30)
     assert answers == json.loads(reference.stdout)
+
+
+def test_generate_check_prints_where_the_default_mode_parted_under_openblas(tmp_path):
+    """What a user reads on stderr: the default mode parts at a near-tie (and says where, and the margin);
+    --exact does not."""
+    from exactness import near_ties
+
+    model = str(near_ties(tmp_path / "qwen3", "qwen3", 0))
+    env = {"MLX_SPEC_NO_OPENBLAS": ""}
+    args = ("generate", "--model", model, "--drafter", f"draft={model}", "--prompt", "abc abc abc", "--no-chat-template",
+            "--check", "--max-tokens", "64")
+    default, exact_run = cli(*args, env=env), cli(*args, "--exact", env=env)
+    assert default.returncode == 0 and exact_run.returncode == 0, default.stderr + exact_run.stderr
+    if "reference BLAS" in cli("doctor", env=env).stdout:
+        pytest.skip("no system OpenBLAS here (.ci/run installs one)")
+    line = default.stderr.strip().splitlines()[-1]
+    assert "identical to plain: False (parted at token " in line and "two best logits were" in line, line
+    assert "identical to plain (both exact): True" in exact_run.stderr.strip().splitlines()[-1]
