@@ -252,7 +252,7 @@ def test_copy_puts_the_answer_on_the_clipboard_and_retry_answers_again(generated
 def test_engine_reuses_the_cache_across_turns(checkpoints):
     events = []
     done = []
-    eng = engine.Engine(lambda e: (events.append(e), isinstance(e, (engine.Done, engine.Failed, engine.Loaded))
+    eng = engine.ChatEngine(lambda e: (events.append(e), isinstance(e, (engine.Done, engine.Failed, engine.Loaded))
                                    and done.append(e)))
     eng.submit(engine.Load(str(checkpoints["qwen3"])))
     messages = [{"role": "user", "content": "hello"}]

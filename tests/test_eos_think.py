@@ -145,7 +145,7 @@ def test_the_chat_engine_renders_with_the_template_args(thinking_model):  # noqa
         if isinstance(event, (engine.Loaded, engine.Done, engine.Failed)):
             done.set()
 
-    eng = engine.Engine(emit)
+    eng = engine.ChatEngine(emit)
     for job in (engine.Load(str(thinking_model)),
                 engine.Generate([{"role": "user", "content": "hello"}], max_tokens=2,
                                 template_args={"enable_thinking": False})):

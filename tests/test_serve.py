@@ -156,17 +156,18 @@ def test_bad_completion_fields_get_a_4xx(server):
 def test_a_request_whose_client_went_away_ends(checkpoints):
     """A streaming client that disconnects marks its request cancelled: the engine ends it
     at its next round rather than decoding to `max_tokens`."""
-    from mlx_spec.serve import Engine, Request
+    from mlx_spec.serve.engine import BatchEngine
+    from mlx_spec.serve.openai import Request
 
     model, tokenizer = loaded(str(checkpoints["qwen3"]))
-    engine = Engine(model, tokenizer, None, max_batch=2, max_queue=2)
+    engine = BatchEngine(model, tokenizer, None, max_batch=2, max_queue=2)
     request = Request(False, encode_prompt(tokenizer, "hello", chat_template=False), SamplingParams(), 3000, [],
                       True, None, time.monotonic() + 600)
     engine.submit(request)
     while (message := request.out.get())[0] == "text":
         request.cancelled = True  # from its first piece on
     assert message[1]["finish_reason"] == "cancelled" and message[1]["usage"]["completion_tokens"] < 3000
-    assert not engine.live
+    assert not engine.running
     engine.stop()
 
 

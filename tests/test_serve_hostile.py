@@ -16,7 +16,8 @@ import time
 import pytest
 
 from mlx_spec import decoding
-from mlx_spec.serve import Live, serve
+from mlx_spec.serve import serve
+from mlx_spec.serve.engine import InFlight
 from mlx_spec.testing import make_checkpoint
 
 READ_TIMEOUT = 1.0
@@ -245,7 +246,7 @@ def test_a_row_that_fails_ends_alone(model, port, monkeypatch):
     answers = [alone(port, p, 300) for p in PROMPTS[:3]]
     bad_prompt = "this prompt cannot be read"
     bad_ids = encode_prompt(load_tokenizer(model), bad_prompt, chat_template=False)
-    feed, prefill = Live.feed, decoding.prefill
+    feed, prefill = InFlight.feed, decoding.prefill
 
     def failing_feed(self, tokens, logprobs=None):
         if self.request.max_tokens == 13:
@@ -257,7 +258,7 @@ def test_a_row_that_fails_ends_alone(model, port, monkeypatch):
             raise MemoryError("a prefill fault")
         return prefill(model, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(Live, "feed", failing_feed)
+    monkeypatch.setattr(InFlight, "feed", failing_feed)
     monkeypatch.setattr(decoding, "prefill", failing_prefill)
     results = {}
     threads = [threading.Thread(target=lambda i=i: results.update({i: stream(port, {

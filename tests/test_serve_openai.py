@@ -15,7 +15,7 @@ from mlx_spec import api
 from mlx_spec.decoding import Decoder
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.serve import Request, Response, ToolCalls, serve
+from mlx_spec.serve import serve
 from mlx_spec.tokenizer import load_tokenizer, render_chat
 
 QWEN3_TEMPLATE = Path(__file__).parent / "fixtures" / "qwen3-template" / "chat_template.jinja"
@@ -61,85 +61,6 @@ def test_logprobs_are_the_targets_log_softmax_at_each_token(kind, temp):
         best = np.argsort(-reference[i])[:3]
         assert [t for t, _ in entry.top] == best.tolist(), i
         assert np.allclose([lp for _, lp in entry.top], reference[i, best], atol=1e-4)
-
-
-# --- tool calls in the answer's text ----------------------------------------------------
-
-ANSWER = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>')
-CALLS = [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
-         {"name": "get_weather", "arguments": '{"city": "Zürich"}'}]
-
-
-def split(pieces: list[str]) -> list[tuple[str, object]]:
-    """What `ToolCalls` gives for text fed in these pieces, consecutive content joined."""
-    parser, events = ToolCalls(), []
-    for piece in pieces:
-        events += parser.feed(piece)
-    merged = []
-    for what, value in events + parser.finish():
-        if what == "content" and merged and merged[-1][0] == "content":
-            merged[-1] = ("content", merged[-1][1] + value)
-        else:
-            merged.append((what, value))
-    return merged
-
-
-def test_tool_call_blocks_are_parsed_whole_or_in_tiny_pieces():
-    whole = split([ANSWER])
-    assert whole == [("content", "Let me look that up."), ("call", CALLS[0]), ("call", CALLS[1])]
-    assert split(list(ANSWER)) == whole  # one character at a time
-    for cut in range(len(ANSWER)):
-        assert split([ANSWER[:cut], ANSWER[cut:]]) == whole, cut
-    # Text that only looks like a block, a malformed block, an unclosed one: content as written.
-    for text in ["a <tool b < c", 'x <tool_call>{"name": </tool_call> y', 'so <tool_call>\n{"name": "get_we']:
-        assert split(list(text)) == [("content", text)]
-    # Nothing is held back that cannot begin a block.
-    parser = ToolCalls()
-    assert parser.feed("It is <") == [("content", "It is")]
-    assert parser.feed("b> ") == [("content", " <b>")]
-
-
-def scripted(pieces: list[str], reason: str = "stop") -> list[tuple]:
-    """The engine's messages for an answer of these text pieces."""
-    done = {"finish_reason": reason, "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
-            "mlx_spec": {"tau": 1.5}}
-    return [("text", p, []) for p in pieces] + [("done", done)]
-
-
-def tool_request(stream: bool) -> Request:
-    return Request(True, [1, 2], SamplingParams(), 64, [], stream, None, 0.0, tools=True)
-
-
-def test_a_tool_call_answer_in_openai_form_whole_and_streamed():
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk
-
-    body = Response(tool_request(False), "m", None).whole(scripted([ANSWER]))
-    reply = ChatCompletion.model_validate(body)  # OpenAI's own types read it
-    message = reply.choices[0].message
-    assert reply.choices[0].finish_reason == "tool_calls" and message.content == "Let me look that up."
-    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
-        ("function", "get_weather", {"city": "Paris"}), ("function", "get_weather", {"city": "Zürich"})]
-    assert len({c.id for c in message.tool_calls}) == 2 and message.tool_calls[0].id.startswith("call_")
-
-    chunks = [ChatCompletionChunk.model_validate(c)
-              for c in Response(tool_request(True), "m", None).chunks(scripted(list(ANSWER)))]
-    deltas = [c.choices[0].delta for c in chunks]
-    assert deltas[0].role == "assistant"
-    assert "".join(d.content or "" for d in deltas) == "Let me look that up."
-    calls = [call for d in deltas for call in d.tool_calls or []]
-    assert [(c.index, c.type, c.function.name, c.function.arguments) for c in calls] == [
-        (0, "function", "get_weather", CALLS[0]["arguments"]), (1, "function", "get_weather", CALLS[1]["arguments"])]
-    # each call comes in one chunk, after the content, and the last chunk says why it finished
-    assert all(len(d.tool_calls or []) <= 1 for d in deltas) and not any(d.content for d in deltas[-3:])
-    assert chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.total_tokens == 14
-
-    # An answer cut short keeps "length"; no call: content as it is, and its finish reason.
-    cut = Response(tool_request(False), "m", None).whole(scripted([ANSWER], "length"))
-    assert cut["choices"][0]["finish_reason"] == "length"
-    plain = Response(tool_request(False), "m", None).whole(scripted(["no ", "tools ", "needed"]))
-    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "no tools needed"}
-    assert plain["choices"][0]["finish_reason"] == "stop"
 
 
 # --- the server, driven by the openai client --------------------------------------------

@@ -122,7 +122,7 @@ class ChatApp(App):
         self.session = Metrics()
         self.session_time, self.session_tokens = 0.0, 0
         self.last: list[str] = []
-        self.engine = engine.Engine(lambda event: self.call_from_thread(self.on_engine, event))
+        self.engine = engine.ChatEngine(lambda event: self.call_from_thread(self.on_engine, event))
 
     # --- layout ------------------------------------------------------------------
 

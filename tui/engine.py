@@ -1,10 +1,9 @@
-"""The chat's engine: every MLX call on one long-lived thread, fed by a queue.
+"""The chat's engine: every MLX call on one long-lived thread (`mlx_spec.worker`), fed by a queue.
 
-MLX may abort the process at exit when a thread that ran it has already ended
-(mlx #3126), so the model is loaded, switched and run on a single daemon
-thread that lives as long as the process. The app talks to it with `submit`
-(jobs run in order) and `stop` (ends the current answer early, keeping what
-was written); it hears back through `emit`, called on the engine thread.
+The model is loaded, switched and run on that thread, which lives as long as
+the process. The app talks to it with `submit` (jobs run in order) and `stop`
+(ends the current answer early, keeping what was written); it hears back
+through `emit`, called on the engine thread.
 
 The target's KV cache is kept across turns: a new turn's prompt (the whole
 conversation through the chat template) usually extends the tokens the cache
@@ -23,6 +22,7 @@ from mlx_spec import distributed
 from mlx_spec.errors import UserError
 from mlx_spec.hub import Download, reporting
 from mlx_spec.metrics import Metrics
+from mlx_spec.worker import Worker
 
 Progress = Download  # an event: how far a download of the model or drafter has come
 
@@ -126,14 +126,14 @@ class State:
     context: list[int] = field(default_factory=list)  # the tokens the cache was built from
 
 
-class Engine:
+class ChatEngine(Worker):
     def __init__(self, emit: Callable[[object], None]):
         self.emit = emit
         self.jobs: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.state = State()
-        self.thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
-        self.thread.start()
+        super().__init__("mlx-chat")
+        self.start()
 
     def submit(self, job) -> None:
         self.jobs.put(job)
@@ -145,19 +145,16 @@ class Engine:
     def idle(self) -> bool:
         return self.jobs.unfinished_tasks == 0
 
-    def _loop(self) -> None:
-        distributed.seed_thread()
-        while True:
-            job = self.jobs.get()
-            try:
-                self._run(job)
-            except UserError as e:
-                self.emit(Failed(str(e)))
-            except Exception as e:  # keep the app alive; say what happened
-                distributed.check(e)  # (under --shard, a rank lost ends the run)
-                self.emit(Failed(f"{type(e).__name__}: {e}".splitlines()[0]))
-            finally:
-                self.jobs.task_done()
+    def turn(self) -> bool:
+        self._run(self.jobs.get())
+        self.jobs.task_done()
+        return False
+
+    def failed(self, error: Exception) -> None:
+        """A job failed: the app stays alive and says what happened."""
+        text = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+        self.emit(Failed(text.splitlines()[0]))
+        self.jobs.task_done()
 
     def _run(self, job) -> None:
         if isinstance(job, Load):

@@ -48,7 +48,7 @@ def run_lines(model: str, drafter: str, system: str, temp: float, top_p: float, 
     path = saved
     conversation = store.load(saved) if saved is not None else store.Conversation(model, drafter, system)
     conversation.model, conversation.drafter = model, drafter
-    eng = engine.Engine(emit)
+    eng = engine.ChatEngine(emit)
     eng.submit(engine.Load(model, drafter, **loading))
     wait()
     for line in sys.stdin:
