@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft, RowStates
 from mlx_spec.generate import context_overflow
 from mlx_spec.metrics import Metrics, StepEvent, expected_tokens
-from mlx_spec.models.load import cast_floating, compute_dtype
+from mlx_spec.models.dtypes import cast_floating, compute_dtype
 from mlx_spec.errors import UserError
 from mlx_spec.sampling import SamplingParams
 

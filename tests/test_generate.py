@@ -44,17 +44,3 @@ def test_chat_template_wraps_the_message(checkpoints):
     ids = encode_prompt(tokenizer, "Hi there")
     assert tokenizer.decode(ids) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(encode_prompt(tokenizer, "Hi there", chat_template=False)) == "Hi there"
-
-
-def test_the_readme_python_example_runs(capsys):
-    """The README's Python API example, as written there, on the demo."""
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Python"):readme.index("### How a round works")]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    exec(compile(code, "README.md", "exec"), {})
-    text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
-    assert text.startswith("def ") and "tokens per target forward" in stats
-    assert float(stats.split()[0]) > 1.0  # EAGLE-3's drafts were accepted

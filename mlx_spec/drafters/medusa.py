@@ -33,7 +33,8 @@ from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, depth
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.llama import Model
-from mlx_spec.models.load import check_weights, compute_dtype, read_json
+from mlx_spec.models.dtypes import compute_dtype
+from mlx_spec.models.load import check_weights, read_json
 from mlx_spec.sampling import SamplingParams
 
 TOPK = 10  # candidates per head that static trees index (mc_sim_7b_63's ranks are < 10)

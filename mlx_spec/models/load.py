@@ -8,12 +8,13 @@ from typing import Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from mlx_spec import hub
 from mlx_spec.weights import read_safetensors
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ARCHITECTURES, parse_config
+from mlx_spec.models.dtypes import compute_dtype
 from mlx_spec.models.llama import Model
 
 
@@ -29,22 +30,6 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object")
     return data
-
-
-def compute_dtype() -> mx.Dtype | None:
-    """float32 on the CPU (bf16/fp16 matmul there is slow and skips BLAS); None
-    keeps the checkpoint's dtype on a GPU."""
-    gpu = mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available())
-    return None if gpu else mx.float32
-
-
-def cast_floating(module: nn.Module, dtype: mx.Dtype | None) -> nn.Module:
-    """`module` with its floating parameters in `dtype` (None: as they are), read now."""
-    if dtype is not None:
-        module.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
-                               module.parameters()))
-        mx.eval(module.parameters())
-    return module
 
 
 def _quantize(model: Model, q: dict, weights: dict, source: Path) -> None:

@@ -40,6 +40,7 @@ from mlx_spec.attention import TreeMask, causal_array
 from mlx_spec.cache import KVCache, RecurrentCache
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import check_fields
+from mlx_spec.models.dtypes import cast_floating
 from mlx_spec.models.llama import Model as LlamaModel, default_mask
 from mlx_spec.models.rope import RoPE, at_positions
 
@@ -458,7 +459,6 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -
     floating weights in `dtype` (None: as stored), read now or when first evaluated (`lazy`)."""
     from mlx_lm.utils import load_model as mlx_lm_load
 
-    from mlx_spec.models.load import cast_floating
 
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
