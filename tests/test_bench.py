@@ -3,6 +3,7 @@
 import pytest
 
 import mlx_spec.bench as bench
+import mlx_spec.bench.methods as methods
 from mlx_spec.metrics import StepEvent
 from mlx_spec.metrics import Metrics
 from mlx_spec.models import load_model
@@ -38,8 +39,8 @@ def test_decoding_speed_counts_the_tokens_after_the_first_event(monkeypatch):
     """A speculative first round brings several tokens at once: they came at the time to the first token,
     not in the decoding timed after it (else a drafter would get them for nothing)."""
     now = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(bench, "settle", lambda events: None)
+    monkeypatch.setattr(methods.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(methods, "settle", lambda events: None)
 
     def events(first: int):  # the first event 2 s in (the prompt), then one a second
         now[0] = 2.0
@@ -57,7 +58,7 @@ def test_decoding_speed_counts_the_tokens_after_the_first_event(monkeypatch):
 def test_the_bandwidth_bound_is_a_streaming_read_and_absent_in_cache():
     """The probe reads as decoding does (a row times each weight matrix, transposed), from more than the
     caches hold; weights that fit in the caches read faster than that, and get no bound."""
-    from mlx_spec.bench import STREAMING_BYTES, bandwidth_bound
+    from mlx_spec.bench.machine import STREAMING_BYTES, bandwidth_bound
 
     streaming, bound = bandwidth_bound(4 * STREAMING_BYTES)
     assert streaming > 0 and bound == streaming / (4 * STREAMING_BYTES)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_spec import api
-from mlx_spec.bench import _Free
+from mlx_spec.bench.machine import FreeDrafter
 from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config
@@ -105,7 +105,7 @@ def test_a_drafter_that_does_not_pay_is_not_tried_again_at_once():
     # The demo's target and drafts that are never right: the first sequence drafts first and learns; the
     # next ones, with the same drafter (or a session of it, as each of the benchmark's runs has) at the same
     # temperature, start from what it learnt, and stay exact.
-    target, never = api.load("demo").model, _Free()
+    target, never = api.load("demo").model, FreeDrafter()
     firsts = []
     for i, prompt in enumerate(PROMPTS[:2] * 2):
         events = list(speculative_steps(target, prompt, GREEDY, 24, never if i < 2 else never.new_session()))
