@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from mlx_spec import distributed, exact
+from mlx_spec import distributed, exact, sharding
 from mlx_spec.decoding import speculative_steps
 from mlx_spec.drafters import Drafter, make_drafter
 from mlx_spec.errors import UserError
@@ -59,7 +59,7 @@ def load(model: str = "demo", revision: str | None = None, *, extra_eos: Sequenc
     if adapter_path is not None:
         load_adapters(loaded, Path(adapter_path))
         loaded.compile()
-    distributed.shard(loaded, model, path, adapter_path)  # under --shard: this rank's share of it
+    sharding.shard(loaded, model, path, adapter_path)  # under --shard: this rank's share of it
     tokenizer = load_tokenizer(path, model_eos_ids(path))
     add_eos_tokens(tokenizer, extra_eos)
     return Target(loaded, tokenizer, path, model, revision)

@@ -37,7 +37,6 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
@@ -46,7 +45,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_spec import __version__
-from mlx_spec.cache import _Rows
 from mlx_spec.errors import UserError
 
 MODES = ("tensor", "pipeline")
@@ -74,6 +72,11 @@ class _Run:
 
 
 _RUN: _Run | None = None
+
+
+def current() -> _Run | None:
+    """The run under --shard (None: one process)."""
+    return _RUN
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,7 +118,7 @@ def start(mode: str, timeout: float = TIMEOUT) -> None:
         sys.stdout = open(os.devnull, "w")
     sys.excepthook = _excepthook
     threading.Thread(target=_watch, daemon=True).start()
-    differ = _differing(f"{mode} mlx {mx.__version__} mlx-spec {__version__}".encode())
+    differ = differing(f"{mode} mlx {mx.__version__} mlx-spec {__version__}".encode())
     if differ:
         raise UserError(f"--shard {mode}: rank {differ[0]} runs another mode or another version of mlx or mlx-spec "
                         "than rank 0: every rank must run the same command and versions")
@@ -131,37 +134,6 @@ def seed_thread() -> None:
         mx.random.seed(_RUN.seed)
 
 
-def shard(model, name: str, path: Path, adapters: str | Path | None = None) -> None:
-    """Split the target `model` (as `--model name` names it, its checkpoint in `path`, loaded lazily: nothing
-    is read yet) over the run, once every rank has checked it loaded the same one (and `--adapter-path`
-    `adapters`); then read this rank's share of the weights, and no more. Nothing without --shard."""
-    if _RUN is None:
-        return
-    from mlx_spec.weights import checkpoint_digest
-
-    files = checkpoint_digest(path) + (checkpoint_digest(Path(adapters), "adapter_config.json") if adapters else b"")
-    differ = _differing(repr(model.args).encode() + files)
-    if differ:
-        raise UserError(f"--model {name}: rank {differ[0]} loaded another target (config or weights) than rank 0: "
-                        "every rank must load the same checkpoint")
-    from mlx_spec.models.mlxlm import Model as MLXLMTarget
-
-    if _RUN.mode == "tensor":
-        if isinstance(model, MLXLMTarget):
-            _tensor_mlxlm(model, _RUN.group)
-        else:
-            _tensor(model, _RUN.group)
-        _swap(model, _Tensor)
-    else:
-        _pipeline(model, _RUN.rank, _RUN.size)
-    try:  # a tensor at a time: each is read whole, its share (a copy) kept and the whole let go
-        for _, w in tree_flatten(model.parameters()):
-            mx.eval(w)
-        mx.clear_cache()
-    except RuntimeError as e:
-        raise UserError(f"{path}: reading weights failed ({e})".splitlines()[0]) from None
-
-
 def check_drafter(drafter, spec: str) -> None:
     """Every rank built the same drafter (`--drafter spec`), and the mode lets it draft."""
     if _RUN is None or drafter is None:
@@ -171,7 +143,7 @@ def check_drafter(drafter, spec: str) -> None:
                         "over the ranks: use --shard tensor")
     target = getattr(drafter, "target", None)
     modules = [m for m in vars(drafter).values() if isinstance(m, nn.Module) and m is not target]
-    differ = _differing(_fingerprint(f"{drafter.kind} {spec}", *modules))
+    differ = differing(_fingerprint(f"{drafter.kind} {spec}", *modules))
     if differ:
         raise UserError(f"--drafter {spec}: rank {differ[0]} built another drafter than rank 0: "
                         "every rank must load the same one")
@@ -185,7 +157,7 @@ def lockstep(events: Iterator, request: tuple) -> Iterator:
         yield from events
         return
     state = np.array(mx.random.state[0]).tobytes()
-    differ = _differing(repr(request).encode() + state)
+    differ = differing(repr(request).encode() + state)
     if differ:
         raise UserError(f"rank {differ[0]} was asked for another generation than rank 0 (prompt, sampling, "
                         "--max-tokens or --seed): every rank must run the same command")
@@ -198,7 +170,7 @@ def lockstep(events: Iterator, request: tuple) -> Iterator:
             _RUN.deadline = math.inf  # between generations (a chat's turns) a rank waits for its input at leisure
             return
         seen = zlib.crc32(np.array(event.tokens, dtype=np.int64).tobytes(), seen)
-        _beat()
+        beat()
         pending = _gathered(seen.to_bytes(4, "little"))
         mx.async_eval(pending)
         yield event
@@ -208,7 +180,7 @@ def from_rank0(data: bytes) -> bytes:
     """Rank 0's `data` on every rank (what the others pass is not read); `data` itself without --shard."""
     if _RUN is None:
         return data
-    _beat()
+    beat()
     n = int(_from_rank0(mx.array([len(data)], dtype=mx.int32)).item())
     if n == 0:
         return b""
@@ -239,7 +211,7 @@ def rank0_times(seconds: float) -> float:
     same K); as it is without --shard."""
     if _RUN is None:
         return seconds
-    _beat()
+    beat()
     return _from_rank0(mx.array([seconds], dtype=mx.float32)).item()
 
 
@@ -278,7 +250,7 @@ def report_lines(report: dict) -> list[str]:
 
 # The ranks agreeing.
 
-def _differing(data: bytes) -> list[int]:
+def differing(data: bytes) -> list[int]:
     """The ranks whose `data` differs from rank 0's, with no deadline: the ranks load their weights and
     drafters at their own pace before they compare them."""
     _RUN.deadline = math.inf  # the next forward sets it again
@@ -317,146 +289,6 @@ def _fingerprint(text: str, *modules) -> bytes:
     return b"\n".join(parts)
 
 
-# Splitting the target.
-
-def _swap(model, mixin: type) -> None:
-    """`model` becomes an instance of its class with `mixin` before it (its forward, sharded)."""
-    cls = type(model)
-    model.__class__ = type(cls.__name__, (mixin, cls), {})
-
-
-def _tensor(model, group) -> None:
-    """mlx-spec's Llama family, sharded as mlx-lm shards its own: heads and MLP columns."""
-    from mlx.nn.layers.distributed import shard_linear
-
-    N, a, args = group.size(), model.layers[0].self_attn, model.args
-    for what, n in (("attention heads", a.n_heads), ("key-value heads", a.n_kv_heads),
-                    ("MLP columns", args.intermediate_size)):
-        if n % N:
-            raise UserError(f"--shard tensor: the {model.model_type} target's {n} {what} do not split over {N} "
-                            "processes: use --shard pipeline or another process count")
-    try:
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
-            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
-            attn.n_heads //= N
-            attn.n_kv_heads //= N
-            mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-            mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
-            mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
-            if hasattr(layer, "_compiled"):
-                layer.compile()  # traced afresh, over the shares
-    except ValueError as e:  # a quantized share not a whole number of groups
-        raise UserError(f"--shard tensor: the {model.model_type} target does not split over {N} processes "
-                        f"({e})") from None
-
-
-def _tensor_mlxlm(model, group) -> None:
-    """An mlx-lm family, by mlx-lm's own `shard()` where it has one."""
-    text = model._text
-    if not hasattr(text, "shard"):
-        raise UserError(f"--shard tensor: not for a {model.model_type} target (mlx-lm shards no such text model "
-                        "by tensors): use --shard pipeline")
-    try:
-        text.shard(group)
-    except ValueError as e:
-        raise UserError(f"--shard tensor: the {model.model_type} target does not split over {group.size()} "
-                        f"processes ({e})") from None
-
-
-def _stages(layers: int, ranks: int) -> list[range]:
-    """Each rank's layers: contiguous, as even as they go."""
-    return [range(r * layers // ranks, (r + 1) * layers // ranks) for r in range(ranks)]
-
-
-def _pipeline(model, rank: int, size: int) -> None:
-    L = len(model.layers)
-    if L < size:
-        raise UserError(f"--shard pipeline: the {model.model_type} target's {L} layers do not split over "
-                        f"{size} processes")
-    _swap(model, _Pipeline)
-    model.stages = _stages(L, size)
-    for i in range(L):
-        if i not in model.stages[rank]:
-            model.layers[i] = nn.Module()  # another rank's: its weights go
-
-
-class _Tensor:
-    """A target whose layers sum their shares: each forward tells the watchdog the run goes on."""
-
-    def __call__(self, *args, **kwargs):
-        _beat()
-        return super().__call__(*args, **kwargs)
-
-
-class _Elsewhere(_Rows):
-    """The cache of a layer another rank runs: that rank holds its keys; here only the lengths
-    (masks, cuts and rows follow every layer's cache alike)."""
-
-    def __init__(self, rows: int = 1):
-        self.lengths = [0] * rows
-
-    def advance(self, S: int) -> None:
-        self.lengths = [n + S for n in self.lengths]
-
-    def cut(self, b: int, length: int) -> None:
-        self.lengths[b] = length
-
-    def keep(self, indices, start: int, b: int = 0) -> None:
-        self.lengths[b] = start + len(indices)
-
-    def extend(self, other: "_Elsewhere") -> None:
-        self.lengths += other.lengths
-
-    def remove(self, b: int) -> None:
-        del self.lengths[b]
-
-    @property
-    def state(self) -> list:
-        return []
-
-
-class _Pipeline:
-    """A target run in stages: this rank's layers, between a receive from the rank before and a send to
-    the rank after; then every rank gathers the states its drafter reads and the last stage's output."""
-
-    stages: list[range]
-
-    def make_cache(self, rows: int = 1) -> list:
-        mine = self.stages[_RUN.rank]
-        return [c if i in mine else _Elsewhere(rows) for i, c in enumerate(super().make_cache(rows))]
-
-    def layer(self, i: int, h: mx.array, mask, cache, positions):
-        rank, mine = _RUN.rank, self.stages[_RUN.rank]
-        if i not in mine:
-            if cache is not None:
-                cache.advance(h.shape[1])
-            return h
-        if i == mine.start and rank > 0:
-            h = mx.distributed.recv_like(h, rank - 1, group=_RUN.group)
-        h = super().layer(i, h, mask, cache, positions)
-        if i == mine.stop - 1 and rank < _RUN.size - 1:
-            h = mx.distributed.send(h, rank + 1, group=_RUN.group)
-        return h
-
-    def __call__(self, tokens, cache=None, positions=None, mask=None, capture=(), exit_layer=None):
-        if exit_layer is not None:
-            raise UserError("an early exit runs the first layers alone, which --shard pipeline spreads over the ranks")
-        _beat()
-        wanted = (*capture, len(self.layers))
-        _, states = super().__call__(tokens, cache, positions, mask, wanted)
-        # Index i is layer i - 1's output: right on the rank that ran it (the embedding, 0, on every rank).
-        owner = [0 if i == 0 else next(r for r, s in enumerate(self.stages) if i - 1 in s) for i in wanted]
-        every = mx.distributed.all_gather(mx.stack(states)[None], group=_RUN.group)  # [N, C + 1, B, S, H]
-        # Run now whatever the caller evaluates: a prompt's chunk evaluates the caches alone, and this
-        # rank's need nothing of the send the next rank waits for.
-        mx.async_eval(every)
-        picked = [every[r, j] for j, r in enumerate(owner)]
-        return self.head(picked[-1]), tuple(picked[:-1])
-
-
 # Communication, timed alone (the benchmark's figures).
 
 def _timed(run, repeats: int = 7) -> float:
@@ -492,13 +324,13 @@ def _forward_comm(model, S: int, captured: int) -> float:
             y = mx.distributed.recv_like(x, rank - 1, group=g) if rank > 0 else x
             y = mx.distributed.send(y, rank + 1, group=g) if rank < size - 1 else y
             return mx.distributed.all_gather(mx.stack([y] * (captured + 1)), group=g)
-    _beat()
+    beat()
     return _timed(run)
 
 
 # Faults: a watchdog, and one line on stderr.
 
-def _beat() -> None:
+def beat() -> None:
     """The run goes on: the watchdog waits `timeout` seconds from now."""
     _RUN.deadline = time.monotonic() + _RUN.timeout
 

@@ -8,15 +8,16 @@ import mlx.core as mx
 import pytest
 
 from helpers import assert_one_line_error, cli, rendered_prompt
-from mlx_spec.cli import _dest, _resolve_aliases, build_parser
+from mlx_spec.cli import build_parser
+from mlx_spec.flags import dest, resolve_aliases
 from mlx_spec.tokenizer import encode_prompt, load_tokenizer
 
 
 def resolved(*argv) -> dict:
     """The mlx-spec flags' values once the aliases among `argv` have set them."""
     args = build_parser().parse_args(list(argv))
-    _resolve_aliases(args)
-    aliases = {_dest(alias.flag) for alias in args.aliases}
+    resolve_aliases(args)
+    aliases = {dest(alias.flag) for alias in args.aliases}
     return {k: v for k, v in vars(args).items() if k not in aliases and k != "aliases"}
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from mlx_spec import files
 from mlx_spec.cli import main
+from mlx_spec import torch_pickle
 from mlx_spec import weights as readers
 from mlx_spec.convert import pipeline
 from mlx_spec.weights import read_safetensors, read_safetensors_file, read_torch, read_torch_file
@@ -84,8 +85,8 @@ def test_sharded_round_trip(reader):
 
 def test_torch_reading_is_lazy(monkeypatch):
     loaded = []
-    real = readers._load_tensor
-    monkeypatch.setattr(readers, "_load_tensor", lambda *a: loaded.append(a[1]) or real(*a))
+    real = torch_pickle._load_tensor
+    monkeypatch.setattr(torch_pickle, "_load_tensor", lambda *a: loaded.append(a[1]) or real(*a))
     weights = read_torch_file(TENSORS / "zip.bin")
     assert loaded == []
     assert_as_saved(weights, ["shared.slice"])
