@@ -19,7 +19,6 @@ Shapes of trees:
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -124,14 +123,6 @@ def from_paths(paths: Sequence[Sequence[int]]) -> tuple[list[int], list[int], li
             raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
         parents.append(index[p[:-1]] if len(p) > 1 else -1)
     return parents, [len(p) for p in ordered], [p[-1] for p in ordered]
-
-
-def cartesian(topk: Sequence[int]) -> list[list[int]]:
-    """Paths of the full tree with `topk[d]` children per node at depth d + 1."""
-    paths = []
-    for depth in range(1, len(topk) + 1):
-        paths.extend(list(p) for p in itertools.product(*(range(k) for k in topk[:depth])))
-    return paths
 
 
 def best_first(scores: np.ndarray, budget: int) -> list[list[int]]:

@@ -7,7 +7,8 @@ import pytest
 
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters.mtp_heads import MTPHeads, MTPHeadsDrafter, mtp_heads_config, save_mtp_heads
+from mlx_spec.drafters.mtp_heads import MTPHeads, MTPHeadsDrafter, mtp_heads_config
+from mlx_spec.files import write_model_files
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
@@ -26,7 +27,7 @@ def test_greedy_is_token_identical_to_plain(target, budget, tmp_path):
     mx.random.seed(0)
     config = mtp_heads_config(target, 3)
     heads = MTPHeads(config)
-    save_mtp_heads(tmp_path / "heads", heads, config)
+    write_model_files(tmp_path / "heads", config, heads.weights())
     drafter = make_drafter(f"mtp-heads={tmp_path / 'heads'}", target, tree_budget=budget)
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 30), (None, 2, 3)):
         plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))

@@ -178,8 +178,20 @@ def test_the_speed_table_command(tmp_path):
 
 def test_the_python_example(capsys):
     """The Python API example, as written, on the demo."""
-    (code,) = [code for code in PYTHON if "from mlx_spec import api" in code]
+    (code,) = [code for code in PYTHON if "from mlx_spec import api" in code and "register(" not in code]
     exec(compile(code, "README.md", "exec"), {})
     text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
     assert text.startswith("def ") and "tokens per target forward" in stats
     assert float(stats.split()[0]) > 1.0  # EAGLE-3's drafts were accepted
+
+
+def test_the_drafter_added_there():
+    """The "Add a drafter" example, as written: a kind registered and decoded with."""
+    from mlx_spec.drafters import REGISTRY
+
+    (code,) = [code for code in PYTHON if "register(" in code]
+    try:
+        exec(compile(code, "README.md", "exec"), {})
+        assert "repeat" in REGISTRY
+    finally:
+        REGISTRY.pop("repeat", None)

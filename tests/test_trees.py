@@ -21,6 +21,14 @@ GREEDY = SamplingParams()
 # --- builders ------------------------------------------------------------------
 
 
+
+def cartesian(topk: list[int]) -> list[list[int]]:
+    """Paths of the full tree with `topk[d]` children per node at depth d + 1."""
+    paths = []
+    for depth in range(1, len(topk) + 1):
+        paths.extend(list(p) for p in itertools.product(*(range(k) for k in topk[:depth])))
+    return paths
+
 def test_medusa_default_tree():
     parents, depth, rank = tree.from_paths(tree.MC_SIM_7B_63)
     assert len(parents) == 63
@@ -38,7 +46,7 @@ def test_from_paths_needs_every_prefix():
 
 
 def test_cartesian():
-    paths = tree.cartesian([3, 2])
+    paths = cartesian([3, 2])
     assert len(paths) == 3 + 6
     parents, depth, _ = tree.from_paths(paths)
     assert tree.children(parents)[-1] == [0, 1, 2] and depth.count(2) == 6
@@ -47,7 +55,7 @@ def test_cartesian():
 def test_best_first_is_the_top_budget_paths():
     rng = np.random.default_rng(0)
     scores = np.sort(np.log(rng.dirichlet(np.ones(4), size=3)), axis=1)[:, ::-1]  # [D, k] descending
-    every = tree.cartesian([4, 4, 4])
+    every = cartesian([4, 4, 4])
     total = {tuple(p): sum(scores[d, r] for d, r in enumerate(p)) for p in every}
     for budget in (1, 5, 20, 84):
         got = tree.best_first(scores, budget)

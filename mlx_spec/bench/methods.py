@@ -155,7 +155,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
     where it is fixed (`--num-draft`, `:num-draft=K`; None: the policy chooses); and with `--exact`, the
     width of every forward of mlx-spec's rows (one for all: plain decoding is each drafter's reference)."""
     from mlx_spec import api
-    from mlx_spec.drafters import TREE_KINDS
+    from mlx_spec.drafters import tree_kinds
     from mlx_spec.drafters.draft_model import DraftModel
 
     model = target.model
@@ -168,7 +168,7 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
         if entry in ("", "none") or f"mlx-spec {entry}" in runners:
             continue
         spec, options = drafter_options(entry, args)
-        budget = options["tree-budget"] if spec.partition("=")[0] in TREE_KINDS else None
+        budget = options["tree-budget"] if spec.partition("=")[0] in tree_kinds() else None
         drafter = api.drafter(spec, target, revision=args.drafter_revision, tree_budget=budget, depth=options["depth"],
                               topk=options["topk"], block_size=options["block-size"])
 

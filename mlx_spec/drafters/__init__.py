@@ -2,8 +2,9 @@
 
 SPEC is `KIND` or `KIND=SOURCE`. Each drafter module declares its kinds
 (`KINDS`: what it drafts from, whether it takes a source, the shaping options
-it takes, how it is built); the CLI's help, the benchmark's settings and the
-chat's `/drafter` read `REGISTRY`.
+it takes, how it is built); the CLI's help, the benchmark's settings, the
+chat's `/drafter` and `mlx-spec train` read `REGISTRY`. A method from outside
+the package is one `register(Kind(...))` away from all of them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,18 @@ from mlx_spec.errors import UserError
 
 REGISTRY: dict[str, Kind] = {k.name: k for module in (lookup, suffix, draft_model, medusa, eagle, dflash, layerskip,
                                                        skip, mtp_heads, mtp) for k in module.KINDS}
-KINDS = ("none", *REGISTRY)
-TREE_KINDS = tuple(name for name, k in REGISTRY.items() if "tree_budget" in k.takes)
+
+
+def register(kind: Kind) -> None:
+    """Make `kind` a `--drafter` kind as the built-in ones are (and, with a `Recipe`, a `mlx-spec train` command)."""
+    if kind.name == "none" or kind.name in REGISTRY or "=" in kind.name:
+        raise ValueError(f"a --drafter kind cannot be named '{kind.name}': taken, or not a name")
+    REGISTRY[kind.name] = kind
+
+
+def tree_kinds() -> tuple[str, ...]:
+    """The kinds that draft trees within a node budget (`--tree-budget`)."""
+    return tuple(name for name, k in REGISTRY.items() if "tree_budget" in k.takes)
 
 
 def usage() -> str:
@@ -36,8 +47,8 @@ def make_drafter(spec: str, target, *, target_source: str | None = None,
     returns the folder the kind's loader reads for a source as published (the
     layer above converts it there on first use)."""
     name, _, source = spec.partition("=")
-    if name not in KINDS:
-        raise UserError(f"--drafter: unknown kind '{name}' (known: {', '.join(KINDS)})")
+    if name != "none" and name not in REGISTRY:
+        raise UserError(f"--drafter: unknown kind '{name}' (known: none, {', '.join(REGISTRY)})")
     options = Options(source=source or None, spec=spec, **flags)
     if name == "none":
         if source:
@@ -73,4 +84,4 @@ def published_source(kind: str, target_source: str) -> str | None:
     return None
 
 
-__all__ = ["Draft", "Drafter", "Kind", "KINDS", "REGISTRY", "make_drafter", "usage"]
+__all__ = ["Draft", "Drafter", "Kind", "REGISTRY", "make_drafter", "register", "tree_kinds", "usage"]

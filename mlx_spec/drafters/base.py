@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -35,10 +36,21 @@ SHAPING = {"tree_paths": "--tree", "tree_budget": "--tree-budget", "block_size":
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """How `mlx-spec train KIND` makes a drafter's folder: what the command says it does, the flags it
+    adds to those every training command shares (`--data`, `-o`, `--steps`, ...), and the run (-> exit code)."""
+
+    description: str
+    add_arguments: "Callable[[argparse.ArgumentParser], None]"
+    run: "Callable[[argparse.Namespace], int]"
+
+
+@dataclass(frozen=True)
 class Kind:
     """A `--drafter` kind, as its module declares it: what it drafts from, whether
     it takes a source (`"required"`, `"optional"`: `alone` says what it is
-    without one, or `"none"`), the shaping options it takes, and how it is built."""
+    without one, or `"none"`), the shaping options it takes, how it is built, and
+    how `mlx-spec train KIND` trains one (`train`; None: that command does not)."""
 
     name: str
     summary: str
@@ -46,6 +58,7 @@ class Kind:
     source: str = "required"
     alone: str = ""
     takes: tuple[str, ...] = ()
+    train: Recipe | None = None
 
     @property
     def usage(self) -> str:
@@ -287,11 +300,6 @@ def draw_rows(logits: mx.array, params: list[SamplingParams]) -> tuple[mx.array,
         lps = [lp if lp is not None else mx.log(mx.arange(V) == t[..., None]) for t, lp in zip(tokens, lps)]
         return mx.stack(tokens), mx.stack(lps)
     return mx.stack(tokens), None
-
-
-def rows_of(x: mx.array, n: list[int]) -> list[mx.array]:
-    """Row b's first `n[b]` entries of `x` `[B, S, ...]`, each `[1, n_b, ...]`."""
-    return [x[b : b + 1, :m] for b, m in enumerate(n)]
 
 
 def joined(pending: list[tuple[mx.array, ...]]) -> mx.array | None:

@@ -24,7 +24,6 @@ from mlx.utils import tree_flatten
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, depth_tree, draw_rows, padded
 from mlx_spec.errors import UserError
-from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model, default_mask
 from mlx_spec.models.load import load_folder
@@ -64,10 +63,6 @@ def mtp_heads_config(target: Model, num_heads: int) -> dict:
 def load_mtp_heads(path_or_repo: str, revision: str | None = None) -> tuple[MTPHeads, dict, Path]:
     heads, config, path = load_folder(path_or_repo, revision, MTPHeads, "mtp_heads", "train heads with mlx-spec train mtp-heads")
     return heads, config, path
-
-
-def save_mtp_heads(out: Path, heads: MTPHeads, config: dict) -> None:
-    write_model_files(out, config, heads.weights())
 
 
 def check_mtp_heads_fit(heads: MTPHeads, target: Model, what: str) -> None:

@@ -135,6 +135,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     mt.add_argument("--modules", type=int, default=1, help="depth D (drafting reuses the last module beyond it)")
     add_train_args(mt)
     mt.set_defaults(func=run_mtp, lr=1e-3)
+    add_registered(kinds)
+
+
+def add_registered(kinds: argparse._SubParsersAction) -> None:
+    """`mlx-spec train KIND` for every registered kind that declares how it trains (`Kind.train`)."""
+    from mlx_spec.drafters import REGISTRY
+
+    for kind in REGISTRY.values():
+        if kind.train is not None:
+            p = kinds.add_parser(kind.name, help=kind.summary, description=kind.train.description)
+            kind.train.add_arguments(p)
+            add_train_args(p)
+            p.set_defaults(func=kind.train.run)
 
 
 # What a resumed run may change: how far it goes, how often it logs, evaluates and saves, what it shows
