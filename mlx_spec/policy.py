@@ -144,8 +144,8 @@ class Decision:
 class Policy:
     """K per row each round, from the rows' acceptance and this batch size's measured round times."""
 
-    def __init__(self, k_max: int | None = None, fixed: int | None = None):
-        self.k_max, self.fixed = (fixed or k_max), fixed  # fixed: K does not adapt
+    def __init__(self, k_max: int | None = None, num_draft: int | None = None):
+        self.k_max, self.num_draft = (num_draft or k_max), num_draft  # num_draft: K fixed, it does not adapt
         self.costs: dict[int, Costs] = {}  # batch size -> its round times
         self.rows: dict[object, Acceptance] = {}  # row key -> its drafts' acceptance
         self.owner: dict[object, int] = {}  # row key -> id of its drafter's lineage
@@ -154,12 +154,13 @@ class Policy:
         self.decided: tuple | None = None  # (what was asked, the decision) this round: the decoder asks twice
 
     @classmethod
-    def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None, fixed: int | None = None) -> Policy:
+    def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None,
+                   num_draft: int | None = None) -> Policy:
         """One sequence's policy as the drafter's earlier sequences at these settings left it (a chat's turns,
         a benchmark's prompts): round times and the drafter's pooled acceptance go on; each row starts anew."""
         if drafter is None:
-            return cls(k_max, fixed)
-        policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, fixed), cls(k_max, fixed))
+            return cls(k_max, num_draft)
+        policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, num_draft), cls(k_max, num_draft))
         policy.rows.clear()
         policy.owner.clear()
         return policy
@@ -176,7 +177,7 @@ class Policy:
         asked = (tuple(keys), tuple(drafts), most)
         if self.decided is None or self.decided[0] != asked:
             self.decided = (asked, Decision(0, "nothing to draft") if not any(drafts) else Decision(
-                self.fixed, "K fixed") if self.fixed is not None else self._decide(keys, drafters, drafts, most))
+                self.num_draft, "K fixed") if self.num_draft is not None else self._decide(keys, drafters, drafts, most))
         self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 

@@ -28,7 +28,7 @@ def shard(model, name: str, path: Path, adapters: str | Path | None = None) -> N
     if differ:
         raise UserError(f"--model {name}: rank {differ[0]} loaded another target (config or weights) than rank 0: "
                         "every rank must load the same checkpoint")
-    from mlx_spec.models.mlxlm import Model as MLXLMTarget
+    from mlx_spec.models.mlxlm import MLXLMTarget
 
     if run.mode == "tensor":
         if isinstance(model, MLXLMTarget):

@@ -57,7 +57,7 @@ from mlx_spec import demo
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.testing import SPECIAL_TOKENS, make_config, make_tokenizer, write_checkpoint
+from tiny import SPECIAL_TOKENS, make_config, make_tokenizer, write_checkpoint
 from mlx_spec.tokenizer import encode_prompt, load_tokenizer
 from mlx_spec.train.data import Example, encode_example, regenerate
 from mlx_spec.train.lm import lm_loss, train_lm

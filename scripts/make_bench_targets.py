@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from mlx_spec.testing import make_tokenizer
+from tiny import make_tokenizer
 
 SHAPE = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1024,
              max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, num_hidden_layers=8)

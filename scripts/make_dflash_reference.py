@@ -7,7 +7,7 @@ The fixture's bf16 safetensors are read here too. Run from the repository root:
     python scripts/make_dflash_reference.py
 
 The target is tests/conftest.py's `qwen3` checkpoint, made again here with
-mlx_spec.testing.make_checkpoint (same arch and seed) for its embedding and
+tiny.make_checkpoint (same arch and seed) for its embedding and
 (tied) LM head. For each fixture, tests/fixtures/dflash_reference/<fixture>.npz holds:
   features [9, F]     the target's features of context positions 0..8 (random, fixed)
   split    []         6: the first round reads positions 0..5, the second 6..8
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "dflash"

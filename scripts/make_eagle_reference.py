@@ -28,7 +28,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "torch"

@@ -6,7 +6,7 @@ Needs torch and transformers, which mlx-spec itself does not depend on:
     python scripts/make_hf_reference.py
 
 For each case (llama with llama3 RoPE scaling, qwen2, mistral with a sliding
-window of 8, qwen3 with YaRN) it builds a tiny model with mlx_spec.testing's seeded weights,
+window of 8, qwen3 with YaRN) it builds a tiny model with scripts/tiny.py's seeded weights,
 saves it with transformers' `save_pretrained` (so the config is in the format
 of the installed transformers), and records the logits of a fixed token
 sequence and 16 greedy tokens, computed by transformers.
@@ -23,7 +23,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mlx_spec.testing import make_config, random_weights
+from tiny import make_config, random_weights
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf_reference"
 

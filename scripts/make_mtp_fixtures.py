@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from mlx_spec.testing import make_config, random_weights
+from tiny import make_config, random_weights
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mtp"
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,

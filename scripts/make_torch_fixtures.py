@@ -58,7 +58,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from mlx_spec.testing import make_config, make_tokenizer, random_weights
+from tiny import make_config, make_tokenizer, random_weights
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "torch"
 
@@ -69,7 +69,7 @@ TINY = dict(
     num_key_value_heads=1,
     head_dim=16,
     intermediate_size=64,
-    vocab_size=384,  # mlx_spec.testing.make_tokenizer's size
+    vocab_size=384,  # tiny.make_tokenizer's size
     torch_dtype="bfloat16",
 )
 

@@ -3,17 +3,21 @@ one-token and many-token forwards give bit-identical logits, so exactness is
 asserted with no tolerance."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("MLX_SPEC_NO_OPENBLAS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Two test workers share the cores: pinning each process's threads (meant for one process alone) would put
 # both workers' compute on the same core.
 os.environ.setdefault("MLX_SPEC_NO_PIN", "1")
+# scripts/tiny.py (the tiny checkpoints tests build) for the scripts tests run in processes of their own too
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "scripts"),
+                                                         os.environ.get("PYTHONPATH")]))
 
 import pytest  # noqa: E402
 
 import mlx_spec  # noqa: E402,F401
-from mlx_spec.testing import make_checkpoint  # noqa: E402
+from tiny import make_checkpoint  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -67,7 +71,7 @@ def copy_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stride_model(tmp_path_factory):
-    """A tiny Qwen3 trained on letters walked with a stride (`mlx_spec.testing.stride_row`)."""
+    """A tiny Qwen3 trained on letters walked with a stride (`tiny.stride_row`)."""
     return _train_task_model(tmp_path_factory, "stride", 200)
 
 
@@ -85,7 +89,7 @@ def _train_task_model(tmp_path_factory, task: str, steps: int):
     with open(root / f"{task}-model.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            code = f"from mlx_spec.testing import train_copy_model; train_copy_model({str(out)!r}, {steps}, task={task!r})"
+            code = f"from tiny import train_copy_model; train_copy_model({str(out)!r}, {steps}, task={task!r})"
             subprocess.run([sys.executable, "-c", code], env=_fast_blas_env(), check=True, timeout=600)
             done.touch()
     return out

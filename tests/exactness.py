@@ -29,7 +29,7 @@ from mlx_spec.drafters.mtp_heads import MTPHeadsDrafter, MTPHeads, mtp_heads_con
 from mlx_spec.drafters.suffix import SuffixDecoding
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 from test_dflash import random_net as dflash_net
 from test_eagle import random_net as eagle_net
 from test_trees import SHAPES, ScriptedTree, noisy_heads

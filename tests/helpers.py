@@ -62,7 +62,7 @@ def tau_on_held_out_rows(target, model_dir, make_drafter, num_draft=None, max_to
     from mlx_spec.decoding import plain_steps, speculative_steps
     from mlx_spec.metrics import Metrics
     from mlx_spec.sampling import SamplingParams
-    from mlx_spec.testing import copy_token_ids, stride_row
+    from tiny import copy_token_ids, stride_row
 
     ids = copy_token_ids(model_dir)
     metrics = Metrics()

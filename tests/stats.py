@@ -9,7 +9,7 @@ import numpy as np
 from mlx_spec.decoding import Decoder, speculative_steps
 from mlx_spec.models import Model, parse_config
 from mlx_spec.sampling import log_probs
-from mlx_spec.testing import make_config, random_weights
+from tiny import make_config, random_weights
 
 
 def tiny(seed: int, vocab: int, logit_scale: float = 1.0, **overrides) -> Model:

@@ -401,7 +401,7 @@ def thinking_model(tmp_path_factory):
     and `<think>`, `</think>` as added tokens that are not special."""
     from tokenizers import AddedToken, Tokenizer
 
-    from mlx_spec.testing import make_checkpoint
+    from tiny import make_checkpoint
 
     path = make_checkpoint(tmp_path_factory.mktemp("thinking") / "qwen3", "qwen3", seed=3, vocab_size=400)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -27,7 +27,7 @@ from mlx_spec.weights import read_safetensors, read_safetensors_file, read_torch
 from mlx_spec.published import find_drafter, model_key
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
-from mlx_spec.testing import make_checkpoint, make_tokenizer
+from tiny import make_checkpoint, make_tokenizer
 
 from helpers import assert_one_line_error, cli, fake_hub_cache
 

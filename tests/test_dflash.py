@@ -123,7 +123,7 @@ def test_trained_dflash_accepts_and_ddtree_beats_the_block(stride_model, tmp_pat
     does better (a block that is already right everywhere leaves it nothing)."""
     from conftest import _fast_blas_env
     from helpers import cli, tau_on_held_out_rows
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
 
     data = write_stride_data(tmp_path / "data", stride_model)
     target, _ = load_model(str(stride_model))

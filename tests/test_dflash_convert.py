@@ -22,7 +22,7 @@ from mlx_spec.weights import read_safetensors_file
 from mlx_spec.published import find_drafter
 from mlx_spec.drafters.dflash import load_dflash
 from mlx_spec.models import load_model
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 from helpers import assert_one_line_error, cli
 

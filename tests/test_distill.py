@@ -12,7 +12,7 @@ import pytest
 
 from helpers import assert_one_line_error, cli
 from mlx_spec.models import Model, load_model, parse_config
-from mlx_spec.testing import make_config, random_weights
+from tiny import make_config, random_weights
 from mlx_spec.train.distill import DistillConfig, agreement, make_objective
 from mlx_spec.train.trainer import TrainConfig, Trainer
 
@@ -115,7 +115,7 @@ def test_distill_errors(checkpoints, data, tmp_path, in_process):
     assert_one_line_error(missing, "nope")
     other = tmp_path / "other"
     shutil.copytree(checkpoints["llama"], other)
-    from mlx_spec.testing import make_tokenizer
+    from tiny import make_tokenizer
 
     make_tokenizer(other, vocab_size=300)
     mismatch = in_process("distill", "--teacher", checkpoints["qwen3"], "--student", other, "--data", data,

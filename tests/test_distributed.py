@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error, cli
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 PROMPT = "def is_prime(n):\n"
 DRAFTERS = ("none", "draft", "eagle3", "dflash")

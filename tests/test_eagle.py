@@ -142,7 +142,7 @@ def test_trained_eagle3_accepts_and_trees_beat_chains(stride_model, tmp_path):
     the same depth does better (a chain that is always right leaves it nothing)."""
     from conftest import _fast_blas_env
     from helpers import cli, tau_on_held_out_rows
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
 
     data = write_stride_data(tmp_path / "data", stride_model)
     target, _ = load_model(str(stride_model))
@@ -165,7 +165,7 @@ def test_trained_eagle3_accepts_and_trees_beat_chains(stride_model, tmp_path):
 def test_train_eagle1_writes_a_loadable_drafter(stride_model, tmp_path):
     from conftest import _fast_blas_env
     from helpers import cli
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
 
     data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "eagle1"

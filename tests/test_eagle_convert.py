@@ -18,7 +18,7 @@ from mlx_spec.cli import main
 from mlx_spec.weights import read_safetensors_file, read_torch_file
 from mlx_spec.drafters.eagle import load_eagle
 from mlx_spec.models import load_model
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 from helpers import assert_one_line_error, cli
 

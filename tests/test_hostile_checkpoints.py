@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_spec.testing import make_tokenizer
+from tiny import make_tokenizer
 from mlx_spec.weights import read_torch_file
 
 from helpers import assert_one_line_error, cli_bounded

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import assert_one_line_error, cli_bounded
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 ADDRESS_SPACE = 1536 << 20  # as cli_bounded's: for the runs that need stdin or a live process
 

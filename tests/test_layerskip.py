@@ -12,7 +12,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.models.llama import DecoderLayer
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
@@ -95,7 +95,7 @@ def test_layerskip_fine_tune_makes_the_half_model_draft(stride_model, tmp_path):
 
     from conftest import _fast_blas_env
     from helpers import cli, tau_on_held_out_rows
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
     from mlx_spec.train.lm import lm_loss
 
     data = write_stride_data(tmp_path / "data", stride_model)

@@ -19,7 +19,7 @@ from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.medusa import load_medusa
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 from mlx_spec.tokenizer import load_tokenizer
 
 from helpers import assert_one_line_error, cli

@@ -21,7 +21,7 @@ from mlx_spec.drafters.eagle import Eagle, EagleNet, eagle_config
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.drafters.suffix import SuffixDecoding
 from mlx_spec.models import load_model
-from mlx_spec.models.mlxlm import Model as MLXLMTarget
+from mlx_spec.models.mlxlm import MLXLMTarget
 from mlx_spec.sampling import SamplingParams
 
 from helpers import assert_one_line_error, cli, later_turns_are_exact
@@ -387,7 +387,7 @@ def test_training_commands_run_on_mlx_lm_targets(name, tmp_path, capsys):
     """Every drafter-training command and `distill --teacher` on a hybrid and on a sliding-window MoE
     target (two steps each: they need only the target contract); what they write drafts losslessly."""
     from mlx_spec.cli import main
-    from mlx_spec.testing import make_config, make_tokenizer, random_weights, write_checkpoint
+    from tiny import make_config, make_tokenizer, random_weights, write_checkpoint
 
     target_dir = tmp_path / name
     shutil.copytree(FIXTURES / name, target_dir)
@@ -422,7 +422,7 @@ def test_training_commands_run_on_mlx_lm_targets(name, tmp_path, capsys):
 def test_bench_on_a_hybrid_target_reports_the_rollback(tmp_path):
     """`mlx-spec bench` on Qwen3.5: plain decoding beside mlx-lm's on the same modules, a drafter
     greedy-identical, and the linear-attention rollback's cost a round next to a plain step."""
-    from mlx_spec.testing import make_tokenizer
+    from tiny import make_tokenizer
 
     target_dir = tmp_path / "qwen3_5"
     shutil.copytree(FIXTURES / "qwen3_5", target_dir)
@@ -471,7 +471,7 @@ def test_a_z_lab_dflash_folder_drafts_losslessly(name, tmp_path):
 def test_generate_with_the_checkpoints_own_mtp_reports_tau(name, tmp_path):
     """`mlx-spec generate --drafter mtp` (no source) on MiMo and on Qwen3.5 as published: the same
     tokens as plain decoding (`--check`), and tau in the report."""
-    from mlx_spec.testing import make_tokenizer
+    from tiny import make_tokenizer
 
     target_dir = tmp_path / name
     shutil.copytree(FIXTURES / name, target_dir)

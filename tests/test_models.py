@@ -85,7 +85,7 @@ def test_transformers4_and_5_configs_agree(tmp_path):
 def test_weights_are_float32_on_cpu(checkpoints, tmp_path):
     import json
 
-    import mlx_spec.testing as t
+    import tiny as t
 
     path = t.make_checkpoint(tmp_path / "bf16", "qwen3")
     weights = mx.load(str(path / "model.safetensors"))

@@ -171,7 +171,7 @@ def test_trained_modules_get_accepted(stride_model, tmp_path):
     from conftest import _fast_blas_env
     from helpers import cli, tau_on_held_out_rows
     from mlx_spec.drafters import make_drafter
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
 
     data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "mtp"

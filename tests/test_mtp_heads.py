@@ -75,7 +75,7 @@ def test_trained_heads_get_accepted(stride_model, tmp_path):
     than 1.5 tokens per target forward on held-out rows."""
     from conftest import _fast_blas_env
     from helpers import cli, tau_on_held_out_rows
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
 
     data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "heads"

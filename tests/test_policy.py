@@ -151,7 +151,7 @@ def test_choosing_has_no_effect_and_says_why():
     assert all(policy.choose([0], [d], [100]) == first for _ in range(5))
     why = str(policy.last)
     assert why.startswith(f"K={first[0]}: drafting pays") and "plain rounds" in why and "x plain decoding" in why
-    assert Policy(fixed=5).choose([0], [d], [100]) == [5]
+    assert Policy(num_draft=5).choose([0], [d], [100]) == [5]
     assert Policy().choose([0], [d], [2])[0] <= 2  # never past the room the row has left
     assert Policy().choose([0, 1], [d, None], [100, 100])[1] == 0
 

@@ -92,7 +92,7 @@ def test_a_folder_of_another_kind_is_named(tmp_path, checkpoints):
 
 def test_a_drafter_for_another_target_is_refused(tmp_path, checkpoints):
     """The EAGLE-1 drafter reads a Llama of hidden size 64: not a Qwen3 of 96."""
-    from mlx_spec.testing import make_checkpoint
+    from tiny import make_checkpoint
 
     other = make_checkpoint(tmp_path / "other", "qwen3", seed=3, hidden_size=96)
     proc = generate(other, f"eagle={TORCH / 'eagle1-llama3'}", tmp_path / "home")

@@ -80,7 +80,7 @@ def test_every_command_is_run_here():
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, checkpoints) -> dict:
     """The environment of a user whose Hugging Face cache holds the README's repos."""
-    from mlx_spec.testing import make_checkpoint
+    from tiny import make_checkpoint
 
     root = tmp_path_factory.mktemp("readme")
     cache = root / "hub"
@@ -146,7 +146,7 @@ SHORT = " --steps 8 --batch-size 2 --seq-len 64"  # a training run's length, cut
 
 
 def write_data(folder: Path) -> None:
-    from mlx_spec.testing import CORPUS
+    from tiny import CORPUS
 
     rows = [{"prompt": line, "completion": CORPUS} for line in CORPUS.splitlines() if line.strip()]
     (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))

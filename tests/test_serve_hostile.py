@@ -18,7 +18,7 @@ import pytest
 from mlx_spec import decoding
 from mlx_spec.serve import serve
 from mlx_spec.serve.engine import InFlight
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 
 READ_TIMEOUT = 1.0
 PROMPTS = [f"{'abcdefghijklmnop'[i:i + 3 + i % 4]} {i}" for i in range(16)]

@@ -68,7 +68,7 @@ def test_logprobs_are_the_targets_log_softmax_at_each_token(kind, temp):
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory) -> Path:
     """A tiny Qwen3 with Qwen3's own chat template (tools, tool calls, `enable_thinking`)."""
-    from mlx_spec.testing import make_checkpoint
+    from tiny import make_checkpoint
 
     path = make_checkpoint(tmp_path_factory.mktemp("qwen3-tools") / "qwen3", "qwen3", seed=3)
     config = json.loads((path / "tokenizer_config.json").read_text())

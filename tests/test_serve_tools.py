@@ -15,7 +15,7 @@ from mlx_spec.sampling import SamplingParams
 from mlx_spec.serve.engine import InFlight
 from mlx_spec.serve.openai import Request, Response
 from mlx_spec.serve.tools import HARMONY, ToolCalls, ToolFormat, tool_format
-from mlx_spec.testing import CORPUS
+from tiny import CORPUS
 from mlx_spec.tokenizer import load_tokenizer, model_eos_ids, render_chat
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -11,7 +11,7 @@ from mlx_spec.drafters.skip import SkipDrafter, SkipView, load_skip_set, save_sk
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.testing import make_checkpoint
+from tiny import make_checkpoint
 from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()

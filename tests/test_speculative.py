@@ -193,7 +193,7 @@ def test_acceptance_beats_mlx_lm_at_temperature_1(checkpoints, tmp_path):
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_spec.testing import write_checkpoint
+    from tiny import write_checkpoint
 
     path = checkpoints["qwen3"]
     # A draft close to the target: its weights plus a little noise.
@@ -247,7 +247,7 @@ def test_acceptance_beats_mlx_lm_at_temperature_1(checkpoints, tmp_path):
 def test_tokenizer_mismatch_is_refused(checkpoints, tmp_path):
     from mlx_spec.drafters import make_drafter
     from mlx_spec.errors import UserError
-    from mlx_spec.testing import make_tokenizer
+    from tiny import make_tokenizer
 
     other = tmp_path / "other"
     import shutil
@@ -273,7 +273,7 @@ def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
     repeat it; drafts copied from the context are accepted wholesale. K is fixed:
     whether drafting pays is the policy's (timed) call, tested in test_policy."""
     from mlx_spec.metrics import Metrics
-    from mlx_spec.testing import copy_segment, copy_token_ids
+    from tiny import copy_segment, copy_token_ids
 
     model, _ = load_model(str(copy_model))
     ids = copy_token_ids(copy_model)

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_spec.models import Model, parse_config
-from mlx_spec.testing import make_config, random_weights
+from tiny import make_config, random_weights
 from mlx_spec.train.distill import DistillConfig, generalized_jsd, kd_loss, make_objective, mse_loss, topk_kd_loss
 from mlx_spec.train.trainer import TrainConfig, Trainer
 

@@ -9,7 +9,7 @@ from mlx_spec.models import load_model
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.testing import copy_segment, copy_token_ids, make_config
+from tiny import copy_segment, copy_token_ids, make_config
 from mlx_spec.train.lm import lm_loss, train_lm
 
 

@@ -293,7 +293,7 @@ def test_trained_medusa_heads_raise_accepted_length(stride_model, tmp_path):
 
     from conftest import _fast_blas_env
     from helpers import cli, tau_on_held_out_rows
-    from mlx_spec.testing import write_stride_data
+    from tiny import write_stride_data
     from mlx_spec.drafters.medusa import load_medusa
 
     data = write_stride_data(tmp_path / "data", stride_model)

@@ -28,7 +28,7 @@ from mlx_spec.bench.batches import batch_sizes, measure_concurrency, take_turns
 from mlx_spec.bench.machine import (bandwidth_bound, drafter_bytes, read_per_step, rollback_cost, round_overhead,
                                     verification_curve)
 from mlx_spec.bench.methods import load_prompts, make_runners, time_run
-from mlx_spec.bench.report import PLAIN, Progress, Row, format_report, median, plot_report, predict
+from mlx_spec.bench.report import PLAIN, Progress, MethodRow, format_report, median, plot_report, predict
 from mlx_spec.errors import UserError
 from mlx_spec.generate import context_overflow
 from mlx_spec.models.dtypes import compute_dtype
@@ -51,10 +51,10 @@ def _checked(args: argparse.Namespace, prompts: list[list[int]], context: int) -
 
 
 def _rows_at(temp: float, runners: dict, prompts: list[list[int]], args: argparse.Namespace, warm: int, model,
-             progress: Progress) -> list[Row]:
+             progress: Progress) -> list[MethodRow]:
     """Every method's row at one temperature: a warm-up each, then every prompt, repeat after repeat."""
     params, n = SamplingParams(temp=temp), args.max_tokens
-    table = {name: Row(name, temp) for name in runners}
+    table = {name: MethodRow(name, temp) for name in runners}
     for name, run in runners.items():
         time_run(run(prompts[0], params, warm), len(prompts[0]), warm)
         progress.step(f"temperature {temp:g}, warming up {name}", warm)
@@ -113,7 +113,7 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
     return {**_machine(args, model, rows, drafters, prompts, sizes), "exact_width": width, "concurrency": concurrency}
 
 
-def _machine(args: argparse.Namespace, model, rows: list[Row], drafters: dict, prompts: list[list[int]],
+def _machine(args: argparse.Namespace, model, rows: list[MethodRow], drafters: dict, prompts: list[list[int]],
              sizes: list[int]) -> dict:
     """The report but for the batches: the rows, and what the machine and the target cost."""
     weights = tree_flatten(model.parameters())

@@ -123,7 +123,7 @@ def _mlx_lm_plain(args: argparse.Namespace, target, runners: dict[str, Runner]):
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mlx_spec.models.mlxlm import Model as MLXLMTarget
+    from mlx_spec.models.mlxlm import MLXLMTarget
 
     if distributed.active() or args.no_mlx_lm:
         return None

@@ -22,7 +22,7 @@ def median(xs: list[float]) -> float:
 
 
 @dataclass
-class Row:
+class MethodRow:
     name: str
     temp: float
     metrics: Metrics = field(default_factory=Metrics)

@@ -87,7 +87,7 @@ class TargetArgs:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
-    sliding_window: int | None = None  # (each layer's window is the wrapper's: `Model.kinds`)
+    sliding_window: int | None = None  # (each layer's window is the wrapper's: `MLXLMTarget.kinds`)
     routed: tuple[int, int] | None = None  # a mixture of experts: (experts a token runs, experts per layer)
 
     @property
@@ -341,7 +341,7 @@ def _classes(config: dict):
                 {"sanitize": lambda self, w: model_class.sanitize(self, fix(w, config))}), args_class
 
 
-class Model(LlamaModel):
+class MLXLMTarget(LlamaModel):
     """An mlx-lm model meeting mlx-spec's target contract: `models.llama.Model`'s
     forward (embedding, the layers one by one, final norm and head) over mlx-lm's modules."""
 
@@ -454,7 +454,7 @@ class Model(LlamaModel):
         return out
 
 
-def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> Model:
+def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> MLXLMTarget:
     """The mlx-lm model in `path` (its config already read as `config`), its
     floating weights in `dtype` (None: as stored), read now or when first evaluated (`lazy`)."""
     from mlx_lm.utils import load_model as mlx_lm_load
@@ -471,4 +471,4 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -
         inner, _ = mlx_lm_load(path, lazy=lazy, model_config=fields, get_model_classes=_classes)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
         raise UserError(f"{path}: mlx-lm cannot load it as {model_type} ({e})".splitlines()[0]) from None
-    return Model(cast_floating(inner, dtype), config)
+    return MLXLMTarget(cast_floating(inner, dtype), config)

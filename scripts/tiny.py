@@ -7,7 +7,7 @@ with a ChatML chat template. `train_copy_model(dir)` writes one whose weights
 are trained (`mlx_spec.train.lm`) to copy earlier text, for tests that need a
 model with predictable output.
 
-    python -m mlx_spec.testing OUT --arch qwen3 --hidden 768 --layers 12
+    python3 scripts/tiny.py OUT --arch qwen3 --hidden 768 --layers 12
 """
 
 from __future__ import annotations
