@@ -77,7 +77,7 @@ class Decoder:
         k_max = exact.most(k_max, num_draft, width)
         self.model, self.acceptance, self.keep_finished, self.width = model, acceptance, keep_finished, width
         self.cache = cache if cache is not None else model.make_cache(rows=0)
-        self.held = cache is not None  # a kept one-row cache the first row may continue
+        self.continues = cache is not None  # the first row continues a one-row cache it was given (a chat's)
         self.rows: list[Row] = []
         self.policy = policy or Policy(k_max, num_draft)
         self.queued: tuple | None = None  # plain rounds: the next tokens (and features), already in the works
@@ -95,9 +95,9 @@ class Decoder:
         if drafter is not None and drafter.one_row and self.rows:
             raise UserError(f"the {drafter.kind} drafter drafts into the target's own cache: one sequence at a time")
         self._unqueue()
-        single, held = (self.cache, self.cache[0].lengths[0]) if self.held else (self.model.make_cache(), 0)
-        if held >= len(prompt):
-            raise ValueError(f"the cache holds {held} tokens, the prompt has only {len(prompt)}")
+        single, cached = (self.cache, self.cache[0].lengths[0]) if self.continues else (self.model.make_cache(), 0)
+        if cached >= len(prompt):
+            raise ValueError(f"the cache holds {cached} tokens, the prompt has only {len(prompt)}")
         context = list(prompt)
         capture, consume, own = (), None, drafter
         if drafter is not None:
@@ -112,15 +112,15 @@ class Decoder:
                 own.add()
             slot = own.rows - 1
             own.bind(single)
-            kept = own.restart(slot, context, held)
+            kept = own.restart(slot, context, cached)
             single = rewound(single, kept, self.model.make_cache)  # anew where a linear-attention layer cannot go back
             if single[0].lengths[0] < kept:
                 kept = own.restart(slot, context, 0)
-            held, capture = kept, own.capture
+            cached, capture = kept, own.capture
             if capture:  # a drafter reading the target's features gets the prompt's as they are computed
                 def consume(end, hidden):
-                    own.commit(slot, context[: held + end + 1], hidden)
-        prefill(self.model, prompt[held:-1], single, capture, consume)
+                    own.commit(slot, context[: cached + end + 1], hidden)
+        prefill(self.model, prompt[cached:-1], single, capture, consume)
         if drafter is not None and drafter.costly:
             own.catch_up([context])
         if own is not drafter:
@@ -130,7 +130,7 @@ class Decoder:
         elif single is not self.cache:
             for batch, one in zip(self.cache, single):
                 batch.extend(one)
-        self.held = False
+        self.continues = False
         if drafter is not None:
             drafter.bind(self.cache)
         self.rows.append(Row(key, context, params, max_tokens, drafter, drafter.rows - 1 if drafter else 0,

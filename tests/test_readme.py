@@ -5,8 +5,8 @@ repos' names (`HF_HUB_OFFLINE=1`, as for a user whose cache already holds them):
 mlx-community/Qwen3-8B-4bit and z-lab's DFlash drafter for it (the repo's files as
 published), Qwen/Qwen3-8B and Qwen/Qwen3-0.6B. What a test changes in a command is
 said where it does: the server's port (0: any free one), and the length of the
-training runs, the size of the widened demo and of the benchmark run (flags
-appended, which argparse reads last).
+answers and training runs, the size of the widened demo and of the benchmark run
+(flags appended, which argparse reads last).
 The set-up commands are .ci/run's own."""
 
 import json
@@ -101,12 +101,12 @@ def shell(line: str, cwd: Path, env: dict, stdin: str = "", timeout: float = 300
 
 
 def test_generate_with_a_published_drafter(hub, tmp_path):
-    out = shell(command("mlx-spec generate --model qwen3 --drafter dflash"), tmp_path, hub)
+    out = shell(command("mlx-spec generate --model qwen3 --drafter dflash") + ANSWER, tmp_path, hub)
     assert out.stdout.strip()
 
 
 def test_the_demo(tmp_path):
-    out = shell(command("mlx-spec generate --no-chat-template"), tmp_path, os.environ)
+    out = shell(command("mlx-spec generate --no-chat-template") + ANSWER, tmp_path, os.environ)
     assert "def " in out.stdout and "identical to plain: True" in out.stdout + out.stderr
 
 
@@ -143,6 +143,7 @@ def test_convert(hub, tmp_path):
 
 
 SHORT = " --steps 8 --batch-size 2 --seq-len 64"  # a training run's length, cut
+ANSWER = " --max-tokens 48"  # an answer's length, cut
 
 
 def write_data(folder: Path) -> None:
@@ -155,14 +156,14 @@ def write_data(folder: Path) -> None:
 def test_distill_then_draft(hub, tmp_path):
     write_data(tmp_path)
     shell(command("mlx-spec distill") + SHORT, tmp_path, hub)
-    out = shell(command("mlx-spec generate --model Qwen/Qwen3-8B --drafter draft=student"), tmp_path, hub)
+    out = shell(command("mlx-spec generate --model Qwen/Qwen3-8B --drafter draft=student") + ANSWER, tmp_path, hub)
     assert out.stdout.strip()
 
 
 def test_train_then_draft(hub, tmp_path):
     write_data(tmp_path)
     shell(command("mlx-spec train eagle3") + SHORT, tmp_path, hub)
-    out = shell(command("mlx-spec generate --model Qwen/Qwen3-8B --drafter eagle3=eagle3"), tmp_path, hub)
+    out = shell(command("mlx-spec generate --model Qwen/Qwen3-8B --drafter eagle3=eagle3") + ANSWER, tmp_path, hub)
     assert out.stdout.strip()
 
 
@@ -170,7 +171,7 @@ def test_the_speed_table_command(tmp_path):
     """At a small size: the widening's shape and the run's length are cut by flags appended."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     widen = command("python3 scripts/widen_demo.py widened").replace("scripts/", f"{ROOT}/scripts/")
-    shell(f"{widen} --hidden 384 --heads 6 --intermediate 1024 --layers 9", tmp_path, env)
+    shell(f"{widen} --hidden 320 --heads 4 --intermediate 768 --layers 8", tmp_path, env)
     bench = command("mlx-spec bench --model widened/target")
     out = shell(f"{bench} --num-prompts 1 --max-tokens 8 --temps 0 --concurrency 1 --no-mlx-lm", tmp_path, env)
     assert "draft=widened/student" in out.stdout and "lookup" in out.stdout
