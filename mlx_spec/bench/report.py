@@ -123,10 +123,11 @@ def _clock(seconds: float) -> str:
 
 def format_report(report: dict) -> str:
     """The report as a table for the terminal."""
+    mlx_lm = ", mlx-lm's rows too" if any(r["name"].startswith("mlx-lm") for r in report["rows"]) else ""
     lines = [
         f"{report['model']}: {report['parameters'] / 1e6:.1f}M parameters; {report['prompts']} prompts "
         f"(mean {report['prompt_tokens']:.0f} tokens) x {report['repeats']} repeats, {report['max_tokens']} tokens each",
-        f"computing in {report['dtype']}, mlx-lm's rows too; memory bandwidth {report['bandwidth_gbs']:.1f} GB/s "
+        f"computing in {report['dtype']}{mlx_lm}; memory bandwidth {report['bandwidth_gbs']:.1f} GB/s "
         f"(a streaming read), {report['step_bytes'] / 1e6:.1f} MB read per target step: "
         + (f"plain decoding is bound by {report['bound_tps']:.0f} tok/s" if report["bound_tps"]
            else "the weights fit in this machine's caches, so no memory-bandwidth bound applies"),
