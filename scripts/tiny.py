@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import mlx_spec  # noqa: F401  (first: it preloads a system OpenBLAS before mlx.core loads)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np

@@ -121,8 +121,8 @@ def _clock(seconds: float) -> str:
 
 
 
-def format_report(report: dict) -> str:
-    """The report as a table for the terminal."""
+def _header(report: dict) -> list[str]:
+    """What was run, and what the machine and the target cost: the lines above the table."""
     mlx_lm = ", mlx-lm's rows too" if any(r["name"].startswith("mlx-lm") for r in report["rows"]) else ""
     lines = [
         f"{report['model']}: {report['parameters'] / 1e6:.1f}M parameters; {report['prompts']} prompts "
@@ -152,6 +152,12 @@ def format_report(report: dict) -> str:
         lines.insert(2, f"linear-attention rollback: {rollback['rollback_ms']:.2f} ms a round (the recurrence replayed "
                         f"over {rollback['replayed_tokens']} kept tokens), {rollback['rollback_ms'] / rollback['plain_step_ms']:.2f}"
                         f" of a plain step ({rollback['plain_step_ms']:.2f} ms)")
+    return lines
+
+
+def format_report(report: dict) -> str:
+    """The report as a table for the terminal."""
+    lines = _header(report)
     notes = []
     for r in report["rows"]:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:6])
