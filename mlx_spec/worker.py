@@ -10,13 +10,14 @@ server's batch) and what a failed turn leaves behind.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 
 import mlx.core as mx
 
 from mlx_spec import distributed
 
 
-class Worker:
+class Worker(ABC):
     """A daemon thread calling `turn` until it returns True; what a turn raises goes to `failed`."""
 
     def __init__(self, name: str):
@@ -25,13 +26,13 @@ class Worker:
     def start(self) -> None:
         self.thread.start()
 
+    @abstractmethod
     def turn(self) -> bool:
         """One unit of work; True when the worker is to stop."""
-        raise NotImplementedError
 
+    @abstractmethod
     def failed(self, error: Exception) -> None:
         """A turn raised `error`; the worker goes on after this."""
-        raise NotImplementedError
 
     def finished(self) -> None:
         """The last words, on the worker's thread, once `turn` has said stop."""
