@@ -230,3 +230,16 @@ def test_a_tool_call_answer_in_openai_form_whole_and_streamed(tmp_path):
     plain = Response(tool_request(False), "m", tokenizer).whole(scripted(["no ", "tools ", "needed"]))
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": "no tools needed"}
     assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tools_for_a_model_whose_call_format_is_unknown_are_refused():
+    """A template that shows the model its tools, in no format mlx-lm (or harmony) reads: a 400 naming 'tools'."""
+    from types import SimpleNamespace
+
+    from mlx_spec.serve.openai import BadRequest, parse_request
+
+    tokenizer = SimpleNamespace(chat_template="{% for t in tools %}{{ t }}{% endfor %}", has_tool_calling=False)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    with pytest.raises(BadRequest, match="'tools': no tool-call format is known") as refused:
+        parse_request(body, True, tokenizer, 4096, 256, 60.0)
+    assert refused.value.status == 400
