@@ -19,29 +19,18 @@ from pathlib import Path
 from typing import Callable
 
 from mlx_spec import hub
+from mlx_spec.drafters import REGISTRY as DRAFTERS
+from mlx_spec.drafters.base import Conversion
 from mlx_spec.errors import UserError
 from mlx_spec.files import data_dir
 from mlx_spec.models.load import read_json
 
-# The convert family that produces each kind (`mlx-spec convert` detects it from SOURCE).
-FAMILY_OF = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "draft": "llama", "dflash": "dflash",
-             "target": "llama"}
 WEIGHTS = ("*.json", "*.safetensors", "*.bin", "*.pt")  # what a drafter repo's conversion may read
 
 
-def _loads_as_is(kind: str, path: Path, config: dict) -> bool:
-    """Whether mlx-spec's loader for `kind` reads the folder without converting it."""
-    if isinstance(config.get("mlx_spec"), dict) or kind == "dflash":  # converted earlier; z-lab's as published
-        return True
-    if kind in ("eagle", "eagle3"):
-        return isinstance(config.get("eagle"), dict)  # `mlx-spec train eagle3` wrote it
-    if kind == "medusa":  # heads `mlx-spec train medusa` wrote: sizes said, no model of their own
-        return "hidden_size" in config and "model_type" not in config
-    if kind == "mtp":
-        return isinstance(config.get("mtp"), dict)
-    if kind in ("draft", "target"):  # a model in safetensors loads; one in pytorch_model.bin is converted
-        return any(path.glob("*.safetensors")) or not any(path.glob("pytorch_model*.bin"))
-    return True
+def conversion(kind: str) -> Conversion | None:
+    """How `kind`'s published folders are read ("target": `--model`, read as a draft model is)."""
+    return DRAFTERS["draft" if kind == "target" else kind].convert if kind == "target" or kind in DRAFTERS else None
 
 
 def _key(source: str, path: Path) -> str:
@@ -66,31 +55,33 @@ def ready(kind: str, source: str, revision: str | None, target: Path | None,
     does): itself, or its conversion, made now if there is none yet. A
     conversion is of SOURCE alone (`target`, the target's folder, shapes only
     MTP modules): the loader checks it against the target."""
-    if kind not in FAMILY_OF and kind != "mtp":
+    how = conversion(kind)
+    if how is None:
         return source
-    whole = kind in ("draft", "target")  # a model is fetched whole anyway
+    whole = how.whole  # a model is fetched whole anyway
     path = hub.resolve(source, revision, hub.MODEL_PATTERNS if whole else ["config.json"])
     if whole and not any(path.glob("*.safetensors")):  # published in pytorch_model.bin form only
         path = hub.resolve(source, revision, hub.MODEL_PATTERNS + ("pytorch_model*",))
     config = read_json(path / "config.json") if (path / "config.json").exists() else {}
-    if _loads_as_is(kind, path, config):
+    if isinstance(config.get("mlx_spec"), dict) or how.as_is(path, config):  # converted earlier, or read as it is
         return source
     local = Path(hub.expand(source)).expanduser()
     name = local.name if local.is_dir() else source.replace("/", "--")  # a repo id: owner--name
     out = data_dir() / "converted" / kind / f"{re.sub(r'[^A-Za-z0-9._-]+', '-', name)[-64:]}-{_key(source, path)}"
     if (out / "config.json").exists():
         return str(out)
-    if kind != "mtp":
+    if how.family != "mtp":
         from mlx_spec.convert import llama, pipeline
 
         # A model is read as one whatever else it holds (a Medusa-2 model's heads, say).
         family = llama if whole else pipeline.detect(pipeline.read_source(source, revision))
-        if family.NAME != FAMILY_OF[kind]:
-            found = next((k for k, f in FAMILY_OF.items() if f == family.NAME), family.NAME)
+        if family.NAME != how.family:
+            found = next((k.name for k in DRAFTERS.values() if k.convert and k.convert.family == family.NAME),
+                         family.NAME)
             raise UserError(f"--drafter {kind}={source}: it is a {family.NAME} checkpoint; "
                             f"use --drafter {found}={source}")
     report(f"converting {source} for {'--model' if kind == 'target' else f'--drafter {kind}'}, once: {out}")
-    if kind == "mtp":
+    if how.family == "mtp":
         from mlx_spec.convert.mtp import convert_mtp
 
         convert_mtp(hub.resolve(source, revision, WEIGHTS), out, read_json(target / "config.json"))

@@ -94,7 +94,7 @@ def check_published(spec: str, model: str) -> None:
     from mlx_spec.drafters import published_source
 
     name, _, source = spec.partition("=")
-    if not source and name not in ("none", "mtp", "medusa"):  # medusa alone may be a Medusa-2 model's own
+    if not source and name != "medusa":  # medusa alone may be a Medusa-2 model's own
         published_source(name, model)
 
 

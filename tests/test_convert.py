@@ -24,7 +24,8 @@ from mlx_spec import torch_pickle
 from mlx_spec import weights as readers
 from mlx_spec.convert import pipeline
 from mlx_spec.weights import read_safetensors, read_safetensors_file, read_torch, read_torch_file
-from mlx_spec.published import find_drafter, model_key
+from mlx_spec.drafters import find_drafter
+from mlx_spec.published import model_key
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from tiny import make_checkpoint, make_tokenizer

@@ -8,7 +8,8 @@ import pytest
 from helpers import assert_one_line_error
 from helpers import cli as run
 from mlx_spec import demo, hub
-from mlx_spec.published import find_drafter, is_demo
+from mlx_spec.drafters import find_drafter
+from mlx_spec.published import is_demo
 from mlx_spec.errors import UserError
 
 # Every kind that drafts for the demo target with no source given.

@@ -19,7 +19,7 @@ from mlx_spec.cli import main
 from mlx_spec.convert import pipeline
 from mlx_spec.convert.family import Source
 from mlx_spec.weights import read_safetensors_file
-from mlx_spec.published import find_drafter
+from mlx_spec.drafters import find_drafter
 from mlx_spec.drafters.dflash import load_dflash
 from mlx_spec.models import load_model
 from tiny import make_checkpoint

@@ -138,13 +138,13 @@ def test_a_pair_with_no_published_drafter_says_so(tmp_path, model, kind, needle)
     ("FasterDecoding/medusa-1.0-vicuna-7b-v1.5", "medusa", "FasterDecoding/medusa-1.0-vicuna-7b-v1.5"),
 ])
 def test_conversions_and_fine_tunes_find_their_base_models_drafters(name, kind, expected):
-    from mlx_spec.published import find_drafter
+    from mlx_spec.drafters import find_drafter
 
     assert find_drafter(kind, name) == expected
 
 
 def test_a_local_conversion_is_known_by_its_folder_name(tmp_path, checkpoints):
-    from mlx_spec.published import find_drafter
+    from mlx_spec.drafters import find_drafter
 
     folder = tmp_path / "Qwen3-8B-4bit"
     shutil.copytree(checkpoints["qwen3"], folder)

@@ -5,6 +5,7 @@ registered it is a `--drafter` kind like the others: generate, bench, serve and 
 import json
 import threading
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -97,6 +98,20 @@ def test_a_registered_kind_trains_and_generates(trained, in_process):
     assert result["identical_to_plain"] is True and result["drafted_tokens"] > 0
     listed = in_process("generate", "--help").stdout
     assert "bigram=PATH_OR_REPO" in listed  # the --drafter help lists it
+
+
+def test_a_registered_kind_names_its_published_drafters(trained, in_process, checkpoints):
+    """`Kind(published=...)`: `--drafter bigram` alone, on a model the kind lists, finds that model's drafter."""
+    REGISTRY["bigram"] = replace(BIGRAM, source="optional", published={"mlx-spec/demo": (str(trained),)})
+    try:
+        out = in_process("generate", "--drafter", "bigram", "--prompt", "def is_prime(n):", "--max-tokens", "32",
+                         "--check", "--json", "--num-draft", "3")
+        other = in_process("generate", "--model", str(checkpoints["qwen3"]), "--drafter", "bigram", "--prompt", "x")
+    finally:
+        REGISTRY["bigram"] = BIGRAM
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["drafted_tokens"] > 0
+    assert other.returncode == 2 and "no published bigram drafter" in other.stderr
 
 
 def test_a_registered_kind_is_benchmarked(trained, in_process, tmp_path):

@@ -9,11 +9,13 @@ the package is one `register(Kind(...))` away from all of them.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
+from mlx_spec import demo, published
 from mlx_spec.drafters import dflash, draft_model, eagle, layerskip, lookup, medusa, mtp, mtp_heads, skip, suffix
 from mlx_spec.drafters.base import SHAPING, Draft, Drafter, Kind, Options
 from mlx_spec.errors import UserError
+from mlx_spec.published import is_demo
 
 REGISTRY: dict[str, Kind] = {k.name: k for module in (lookup, suffix, draft_model, medusa, eagle, dflash, layerskip,
                                                        skip, mtp_heads, mtp) for k in module.KINDS}
@@ -76,12 +78,16 @@ def published_source(kind: str, target_source: str) -> str | None:
     """The demo's own drafter of this kind, or the one published for the target,
     as published (None where the kind alone means something else: the target's
     own MTP modules, LayerSkip's exit, Draft & Verify's search)."""
-    from mlx_spec import demo
-    from mlx_spec.published import DRAFTERS, find_drafter, is_demo
-
-    if kind in DRAFTERS or (kind in demo.DRAFTERS and is_demo(target_source)):
+    if kind in REGISTRY and REGISTRY[kind].published or (kind in demo.DRAFTERS and is_demo(target_source)):
         return find_drafter(kind, target_source)
     return None
 
 
-__all__ = ["Draft", "Drafter", "Kind", "REGISTRY", "make_drafter", "register", "tree_kinds", "usage"]
+def find_drafter(kind: str, target: str | Mapping) -> str:
+    """The published `kind` drafter for `target` (a repo id, a model directory or a config)."""
+    if kind not in REGISTRY:
+        raise UserError(f"drafter kind '{kind}' is unknown (known: {', '.join(REGISTRY)})")
+    return published.find(kind, REGISTRY[kind].published, target)
+
+
+__all__ = ["Draft", "Drafter", "Kind", "REGISTRY", "find_drafter", "make_drafter", "register", "tree_kinds", "usage"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -38,19 +40,43 @@ SHAPING = {"tree_paths": "--tree", "tree_budget": "--tree-budget", "block_size":
 @dataclass(frozen=True)
 class Recipe:
     """How `mlx-spec train KIND` makes a drafter's folder: what the command says it does, the flags it
-    adds to those every training command shares (`--data`, `-o`, `--steps`, ...), and the run (-> exit code)."""
+    adds to those every training command shares (`--data`, `-o`, `--steps`, ...; it may change their
+    defaults), and the run (-> exit code): a function, or "module:function", imported when the command
+    runs (a trainer imports the drafter that declares it)."""
 
     description: str
     add_arguments: "Callable[[argparse.ArgumentParser], None]"
-    run: "Callable[[argparse.Namespace], int]"
+    run: "Callable[[argparse.Namespace], int] | str"
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        run = self.run
+        if isinstance(run, str):
+            module, _, name = run.partition(":")
+            run = getattr(importlib.import_module(module), name)
+        return run(args)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """How a folder published for a kind becomes one its loader reads, the first time it is used
+    (`convert/first_use.py`): whether the loader reads the folder as it is (given the folder and its
+    config.json), else the `mlx-spec convert` family that converts it ("mtp": the target's MTP
+    modules, converted against the target). `whole`: the source is a model, fetched whole."""
+
+    family: str
+    as_is: "Callable[[Path, dict], bool]" = lambda path, config: False
+    whole: bool = False
 
 
 @dataclass(frozen=True)
 class Kind:
     """A `--drafter` kind, as its module declares it: what it drafts from, whether
     it takes a source (`"required"`, `"optional"`: `alone` says what it is
-    without one, or `"none"`), the shaping options it takes, how it is built, and
-    how `mlx-spec train KIND` trains one (`train`; None: that command does not)."""
+    without one, or `"none"`), the shaping options it takes, how it is built, how
+    `mlx-spec train KIND` trains one (`train`; None: that command does not), how
+    a published folder is converted (`convert`; None: read as given), and the
+    drafters published for each target (target repo -> drafter repos, the first
+    the one `--drafter KIND` alone uses)."""
 
     name: str
     summary: str
@@ -59,6 +85,8 @@ class Kind:
     alone: str = ""
     takes: tuple[str, ...] = ()
     train: Recipe | None = None
+    convert: Conversion | None = None
+    published: "Mapping[str, tuple[str, ...]]" = field(default_factory=dict)
 
     @property
     def usage(self) -> str:

@@ -20,6 +20,7 @@ z-lab folder loads as it is.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import (EMPTY, Draft, Kind, Options, RowStates, common_prefix, depth_tree, draw_rows,
+from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, depth_tree, draw_rows,
                                     joined, padded)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
@@ -268,6 +269,48 @@ def build(target: Model, o: Options) -> DFlash:
     return DFlash(net, target, o.tree_budget, o.block_size)
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    p.add_argument("--num-layers", type=int, default=2, help="drafter layers (started from target layers)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layers", default=None,
+                   help="target layers whose outputs it reads, e.g. 1,9,17 (default: z-lab's spread)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="the mask token (default: the embedding's last row)")
+    p.add_argument("--loss-decay", type=float, default=0.9, help="weight of block position i: decay^(i-1)")
+    p.add_argument("--blocks-per-row", type=int, default=None,
+                   help="anchors sampled per row (default: seq-len / block-size)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the drafter's MLP width (default: the target's)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="replace the answers of prompt/completion and chat examples by the target's own (greedy)")
+    p.set_defaults(lr=1e-3)
+
+
+PUBLISHED = {
+    "Qwen/Qwen3-4B": ("z-lab/Qwen3-4B-DFlash-b16",),
+    "Qwen/Qwen3-8B": ("z-lab/Qwen3-8B-DFlash-b16",),
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": ("z-lab/Qwen3-Coder-30B-A3B-DFlash",),
+    "Qwen/Qwen3-Coder-Next": ("z-lab/Qwen3-Coder-Next-DFlash",),
+    "meta-llama/Llama-3.1-8B-Instruct": ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",),
+    "openai/gpt-oss-20b": ("z-lab/gpt-oss-20b-DFlash",),
+    "openai/gpt-oss-120b": ("z-lab/gpt-oss-120b-DFlash",),
+    "Qwen/Qwen3.5-4B": ("z-lab/Qwen3.5-4B-DFlash",),
+    "Qwen/Qwen3.5-9B": ("z-lab/Qwen3.5-9B-DFlash",),
+    "Qwen/Qwen3.5-27B": ("z-lab/Qwen3.5-27B-DFlash",),
+    "Qwen/Qwen3.5-35B-A3B": ("z-lab/Qwen3.5-35B-A3B-DFlash",),
+    "Qwen/Qwen3.5-122B-A10B": ("z-lab/Qwen3.5-122B-A10B-DFlash",),
+    "Qwen/Qwen3.5-397B-A17B": ("z-lab/Qwen3.5-397B-A17B-DFlash",),
+    "Qwen/Qwen3.6-27B": ("z-lab/Qwen3.6-27B-DFlash",),
+    "Qwen/Qwen3.6-35B-A3B": ("z-lab/Qwen3.6-35B-A3B-DFlash",),
+    "moonshotai/Kimi-K2.5": ("z-lab/Kimi-K2.5-DFlash",),
+    "google/gemma-4-31B-it": ("z-lab/gemma-4-31B-it-DFlash",),
+    "google/gemma-4-26B-A4B-it": ("z-lab/gemma-4-26B-A4B-it-DFlash",),
+}
+TRAIN = Recipe("DFlash: a few layers that fill a block of drafts in one forward, reading the target's features "
+               "as keys and values; OUT is a folder that --drafter dflash=OUT loads.", train_arguments,
+               "mlx_spec.train.dflash:run")
+# z-lab's folders load as published; `mlx-spec convert` reads the other layouts.
+CONVERT = Conversion("dflash", as_is=lambda path, config: True)
 KINDS = (Kind("dflash", "a DFlash block drafter (z-lab's, as published): a whole block of drafts in one small "
               "forward; --tree-budget N verifies a DDTree over the block; --block-size", build,
-              source="optional", alone="the one published for --model", takes=("tree_budget", "block_size")),)
+              source="optional", alone="the one published for --model", takes=("tree_budget", "block_size"),
+              train=TRAIN, convert=CONVERT, published=PUBLISHED),)

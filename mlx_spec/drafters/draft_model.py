@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_spec.cache import cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded_length
+from mlx_spec.drafters.base import EMPTY, Conversion, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded_length
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
 
@@ -123,4 +123,7 @@ def build(target: Model, o: Options) -> DraftModel:
     return DraftModel(model, target.args.vocab_size, Path(path))
 
 
-KINDS = (Kind("draft", "a smaller model with the same tokenizer", build),)
+# A model in safetensors loads as it is; one published in pytorch_model.bin form only is converted.
+CONVERT = Conversion("llama", whole=True,
+                     as_is=lambda path, config: any(path.glob("*.safetensors")) or not any(path.glob("pytorch_model*.bin")))
+KINDS = (Kind("draft", "a smaller model with the same tokenizer (trained with mlx-spec distill)", build, convert=CONVERT),)

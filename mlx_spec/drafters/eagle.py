@@ -27,6 +27,7 @@ draft layer's Llama-style config plus an `"eagle"` section) and
 
 from __future__ import annotations
 
+import argparse
 from functools import partial
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import (EMPTY, Draft, Kind, Options, RowStates, common_prefix, draw_rows, joined, padded,
+from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, draw_rows, joined, padded,
                                    padded_length)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
@@ -415,7 +416,67 @@ def build(version: int, target: Model, o: Options) -> Eagle:
     return Eagle(net, target, o.tree_budget, o.topk, o.depth)
 
 
+def train_arguments(version: int, p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    p.add_argument("--ttt-steps", type=int, default=3, help="drafting steps unrolled in training (training-time test)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the drafter's MLP width (default: the target's)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="replace the answers of prompt/completion and chat examples by the target's own (greedy)")
+    if version == 3:
+        p.add_argument("--draft-vocab", type=int, default=32000,
+                       help="predict only the N most frequent tokens of the data (at most the target's vocabulary)")
+        p.add_argument("--layers", default=None, help="target layers to read, e.g. 2,14,25 (default: 2, L/2, L-3)")
+        p.add_argument("--recycle-normed", action="store_true",
+                       help="EAGLE 3.1: feed the normed output state to the next drafting step")
+    p.set_defaults(lr=1e-3, version=version)
+
+
+def recipe(version: int) -> Recipe:
+    kind = "eagle3" if version == 3 else "eagle"
+    return Recipe(f"EAGLE-{version}: a one-layer drafter on the target's features, trained with training-time "
+                  f"test; OUT is a folder that --drafter {kind}=OUT loads.", partial(train_arguments, version),
+                  "mlx_spec.train.eagle:run")
+
+
+def conversion(version: int) -> Conversion:
+    """EAGLE-{1,3} checkpoints convert; a folder `mlx-spec train` wrote (an "eagle" section) loads as it is."""
+    return Conversion("eagle3" if version == 3 else "eagle",
+                      as_is=lambda path, config: isinstance(config.get("eagle"), dict))
+
+
+PUBLISHED_EAGLE3 = {
+    "lmsys/vicuna-13b-v1.3": ("yuhuili/EAGLE3-Vicuna1.3-13B",),
+    "meta-llama/Llama-3.1-8B-Instruct": (
+        "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
+        "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
+    ),
+    "meta-llama/Llama-3.3-70B-Instruct": ("yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",),
+    "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": ("yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B",),
+    "Qwen/Qwen3-1.7B": ("AngelSlim/Qwen3-1.7B_eagle3",),
+    "Qwen/Qwen3-4B": ("AngelSlim/Qwen3-4B_eagle3",),
+    "Qwen/Qwen3-8B": ("AngelSlim/Qwen3-8B_eagle3", "Tengyunw/qwen3_8b_eagle3", "Zjcxy-SmartAI/Eagle3-Qwen3-8B-zh"),
+    "Qwen/Qwen3-14B": ("AngelSlim/Qwen3-14B_eagle3",),
+    "Qwen/Qwen3-32B": ("AngelSlim/Qwen3-32B_eagle3",),
+    "openai/gpt-oss-120b": ("lmsys/EAGLE3-gpt-oss-120b-bf16", "nvidia/gpt-oss-120b-Eagle3"),
+}
+PUBLISHED_EAGLE = {  # EAGLE-1 weights, also decoded EAGLE-2 style (dynamic trees)
+    "lmsys/vicuna-7b-v1.3": ("yuhuili/EAGLE-Vicuna-7B-v1.3",),
+    "lmsys/vicuna-13b-v1.3": ("yuhuili/EAGLE-Vicuna-13B-v1.3",),
+    "lmsys/vicuna-33b-v1.3": ("yuhuili/EAGLE-Vicuna-33B-v1.3",),
+    "meta-llama/Llama-2-7b-chat-hf": ("yuhuili/EAGLE-llama2-chat-7B",),
+    "meta-llama/Llama-2-13b-chat-hf": ("yuhuili/EAGLE-llama2-chat-13B",),
+    "meta-llama/Llama-2-70b-chat-hf": ("yuhuili/EAGLE-llama2-chat-70B",),
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": ("yuhuili/EAGLE-mixtral-instruct-8x7B",),
+    "meta-llama/Meta-Llama-3-8B-Instruct": ("yuhuili/EAGLE-LLaMA3-Instruct-8B",),
+    "meta-llama/Meta-Llama-3-70B-Instruct": ("yuhuili/EAGLE-LLaMA3-Instruct-70B",),
+    "meta-llama/Llama-3.1-8B-Instruct": ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",),
+    "Qwen/Qwen2-7B-Instruct": ("yuhuili/EAGLE-Qwen2-7B-Instruct",),
+    "Qwen/Qwen2-72B-Instruct": ("yuhuili/EAGLE-Qwen2-72B-Instruct",),
+}
 _SUMMARY = ("one layer on the target's features: a chain, or with --tree-budget N an EAGLE-2 dynamic tree "
             "(--depth, --topk)")
-KINDS = (Kind("eagle", "an EAGLE-1 drafter, " + _SUMMARY, partial(build, 1), takes=("tree_budget",)),
-         Kind("eagle3", "an EAGLE-3 drafter, " + _SUMMARY, partial(build, 3), takes=("tree_budget",)))
+KINDS = (Kind("eagle", "an EAGLE-1 drafter, " + _SUMMARY, partial(build, 1), takes=("tree_budget",),
+              train=recipe(1), convert=conversion(1), published=PUBLISHED_EAGLE),
+         Kind("eagle3", "an EAGLE-3 drafter, " + _SUMMARY, partial(build, 3), takes=("tree_budget",),
+              train=recipe(3), convert=conversion(3), published=PUBLISHED_EAGLE3))

@@ -14,10 +14,12 @@ on the prompt promise the best speedup.
 
 from __future__ import annotations
 
+import argparse
+
 import mlx.core as mx
 
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import Draft, HostDrafter, Kind, Options
+from mlx_spec.drafters.base import Draft, HostDrafter, Kind, Options, Recipe
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import expected_tokens
 from mlx_spec.models.llama import Model
@@ -102,5 +104,16 @@ def build(target: Model, o: Options) -> LayerSkip:
     return LayerSkip(target, int(o.source) if o.source else None)
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="the model to fine-tune: folder or Hub repo id")
+    p.add_argument("--layer-dropout", type=float, default=0.1, help="skip probability of the last layer (rising from 0)")
+    p.add_argument("--exit-scale", type=float, default=1.0,
+                   help="weight of the early exits' losses (layer l: scale x (l+1)/L)")
+    p.set_defaults(lr=1e-4)
+
+
+TRAIN = Recipe("LayerSkip: the target is fine-tuned in place with layer dropout rising with depth and an early-exit "
+               "loss; OUT is a model folder to use with --drafter layerskip[=E].", train_arguments,
+               "mlx_spec.train.layerskip:run")
 KINDS = (Kind("layerskip", "the target's own first E layers, its final norm and LM head (self-speculation)", build,
-              source="optional", alone="E chosen from the prompt"),)
+              source="optional", alone="E chosen from the prompt", train=TRAIN),)

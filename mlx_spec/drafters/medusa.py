@@ -20,6 +20,7 @@ under `heads`; a folder holds `config.json` (`medusa_num_heads`,
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_spec import hub, tree
 from mlx_spec.weights import read_safetensors
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, depth_tree
+from mlx_spec.drafters.base import EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, depth_tree
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.llama import Model
@@ -171,5 +172,24 @@ def build(target: Model, o: Options) -> Medusa:
     return Medusa(heads, target, o.tree_paths, o.tree_budget, chain and o.tree_paths is None and o.tree_budget is None)
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    p.add_argument("--heads", type=int, default=4, help="number of heads (head k predicts token t + 2 + k)")
+    p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    p.set_defaults(lr=1e-3)
+
+
+PUBLISHED = {
+    "lmsys/vicuna-7b-v1.3": ("FasterDecoding/medusa-vicuna-7b-v1.3",),
+    "lmsys/vicuna-13b-v1.3": ("FasterDecoding/medusa-vicuna-13b-v1.3",),
+    "lmsys/vicuna-33b-v1.3": ("FasterDecoding/medusa-vicuna-33b-v1.3",),
+    # Medusa-2: a fine-tuned model holding its own heads, so the target is the repo itself
+    **{repo: (repo,) for repo in ("FasterDecoding/medusa-1.0-vicuna-7b-v1.5", "FasterDecoding/medusa-1.0-vicuna-13b-v1.5",
+                                  "FasterDecoding/medusa-1.0-vicuna-33b-v1.3", "FasterDecoding/medusa-1.0-zephyr-7b-beta")},
+}
+TRAIN = Recipe("Medusa-1: heads on the frozen target; OUT is a folder that --drafter medusa=OUT loads.",
+               train_arguments, "mlx_spec.train.medusa:run")
+# Heads `mlx-spec train medusa` wrote (sizes said, no model of their own) load as they are.
+CONVERT = Conversion("medusa", as_is=lambda path, config: "hidden_size" in config and "model_type" not in config)
 KINDS = (Kind("medusa", "Medusa heads on the target's last hidden state: a tree of candidates per round "
-              "(--tree, --tree-budget; the heads' top-1 chain on a target that verifies chains only)", build, takes=("tree_paths", "tree_budget")),)
+              "(--tree, --tree-budget; the heads' top-1 chain on a target that verifies chains only)", build, takes=("tree_paths", "tree_budget"), train=TRAIN, convert=CONVERT, published=PUBLISHED),)

@@ -33,6 +33,7 @@ section: `layout`, `num_modules`, `hidden_first`, `has_head`) and
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,7 +41,7 @@ import mlx.nn as nn
 
 from mlx_spec.attention import causal_array
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
@@ -305,5 +306,16 @@ def build(target: Model, o: Options) -> MTP:
     return MTP(net, target)
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    p.add_argument("--modules", type=int, default=1, help="depth D (drafting reuses the last module beyond it)")
+    p.set_defaults(lr=1e-3)
+
+
+TRAIN = Recipe("MTP modules (DeepSeek-V3): module k combines the depth k-1 hidden state with the embedding of the "
+               "token k ahead; OUT is a folder that --drafter mtp=OUT loads.", train_arguments, "mlx_spec.train.mtp:run")
+# A target checkpoint's own modules are cut out of it, shaped by the target; a folder with an "mtp" section loads.
+CONVERT = Conversion("mtp", as_is=lambda path, config: isinstance(config.get("mtp"), dict))
 KINDS = (Kind("mtp", "DeepSeek-style sequential multi-token-prediction modules", build, source="optional",
-              alone="the target checkpoint's own modules (DeepSeek-V3, MiMo and Qwen3-Next layouts)"),)
+              alone="the target checkpoint's own modules (DeepSeek-V3, MiMo and Qwen3-Next layouts)",
+              train=TRAIN, convert=CONVERT),)

@@ -15,6 +15,7 @@ decoder layer each, Hugging Face names).
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_spec.cache import KVCache, cut_cache
-from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, RowStates, depth_tree, draw_rows, padded
+from mlx_spec.drafters.base import EMPTY, Draft, Kind, Options, Recipe, RowStates, depth_tree, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model, default_mask
@@ -151,5 +152,14 @@ def build(target: Model, o: Options) -> MTPHeadsDrafter:
     return MTPHeadsDrafter(heads, target, o.tree_budget)
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: folder or Hub repo id")
+    p.add_argument("--heads", type=int, default=3, help="number of heads (head k predicts the token k + 1 ahead)")
+    p.set_defaults(lr=1e-3)
+
+
+TRAIN = Recipe("MTP heads (Gloeckle et al.): a transformer block per head on the target's last hidden state, "
+               "sharing its unembedding; OUT is a folder that --drafter mtp-heads=OUT loads.", train_arguments,
+               "mlx_spec.train.mtp_heads:run")
 KINDS = (Kind("mtp-heads", "parallel multi-token-prediction heads on the target's last hidden state: a chain, "
-              "or a tree with --tree-budget", build, takes=("tree_budget",)),)
+              "or a tree with --tree-budget", build, takes=("tree_budget",), train=TRAIN),)

@@ -12,12 +12,18 @@ weighted decay^(i-1): early positions decide how much of a block is accepted.
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.drafters.dflash import DFlashNet
+from mlx_spec.drafters.dflash import DFlashNet, dflash_config, save_dflash
+from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
+from mlx_spec.train.common import frozen_target_and_data, layer_list, start_from, train_config
 from mlx_spec.train.distill import masked_mean
+from mlx_spec.train.trainer import Trainer
 
 
 class AnchoredBatches:
@@ -106,3 +112,32 @@ def make_objective(target: Model, decay: float):
         return dflash_loss(net, target, batch["tokens"], batch["mask"], batch["anchors"], decay)
 
     return objective
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mlx-spec train dflash`: train on `--data` and write OUT."""
+    if args.num_layers < 1 or args.block_size < 2 or not 0 < args.loss_decay <= 1:
+        raise UserError("--num-layers must be >= 1, --block-size >= 2 and --loss-decay in (0, 1]")
+    if args.block_size > args.seq_len:
+        raise UserError(f"--block-size {args.block_size} is longer than --seq-len {args.seq_len}")
+    tconfig = train_config(args)
+    target, _, batches, valid_batches = frozen_target_and_data(args)
+    L, V = target.args.num_hidden_layers, target.args.vocab_size
+    taps = layer_list("--target-layers", args.target_layers, L) if args.target_layers else None
+    mask_id = V - 1 if args.mask_token_id is None else args.mask_token_id
+    if not 0 <= mask_id < V:
+        raise UserError(f"--mask-token-id must be a row of the target's embedding (0..{V - 1}), got {mask_id}")
+    per_row = args.blocks_per_row or max(1, args.seq_len // args.block_size)
+    config = dflash_config(target, args.num_layers, args.block_size, mask_id, taps, args.intermediate_size)
+    net = DFlashNet(config)
+    for i, layer in enumerate(net.layers):  # from target layers spread over its depth: a useful start
+        start_from(layer, target.layers[round(i * (L - 1) / max(args.num_layers - 1, 1))])
+    trainer = Trainer(
+        net, make_objective(target, args.loss_decay), AnchoredBatches(batches, args.block_size, per_row, args.seed),
+        tconfig, valid=AnchoredBatches(valid_batches, args.block_size, per_row, args.seed + 1),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        save_dflash(args.out, net, config)
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0

@@ -13,15 +13,20 @@ vocabulary); EAGLE-1 also regresses the next feature.
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_spec.drafters.eagle import EagleNet
+from mlx_spec.drafters.eagle import EagleNet, default_layers, eagle_config, save_eagle
+from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
+from mlx_spec.train.common import frozen_target_and_data, layer_list, train_config
 from mlx_spec.train.distill import masked_mean
+from mlx_spec.train.trainer import Trainer
 
 DECAY = 0.8  # weight of step j: 0.8^j (later steps matter less: each is reached through the earlier)
 
@@ -127,3 +132,44 @@ def acceptance(net: EagleNet, target: Model, batches, n_batches: int) -> dict[st
         accept += (mx.minimum(p, q).sum(-1) * m).sum().item()
         count += m.sum().item()
     return {"top1_agreement": match / max(count, 1), "expected_acceptance": accept / max(count, 1)}
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mlx-spec train eagle` and `eagle3`: train on `--data` and write OUT."""
+
+    if args.ttt_steps < 1:
+        raise UserError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    tconfig = train_config(args)
+    target, train, batches, valid_batches = frozen_target_and_data(args)
+    L, V = target.args.num_hidden_layers, target.args.vocab_size
+    draft_ids = None
+    if args.version == 3:
+        layers = layer_list("--layers", args.layers, L + 1) if args.layers else default_layers(L)
+        if args.draft_vocab < 1:
+            raise UserError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+        size = min(args.draft_vocab, V)
+        config = eagle_config(target, 3, layers, size, args.intermediate_size)
+        config["eagle"]["recycle_normed"] = args.recycle_normed
+        used = draft_vocabulary(train, V, size)
+        net = EagleNet(config)
+        net.d2t = mx.array(used - np.arange(size), dtype=mx.int32)
+        # Start the drafter's head and norm from the target's: the same tokens, the same scale.
+        full = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
+        net.lm_head.weight = full[mx.array(used)]
+        net.norm.weight = mx.array(target.model.norm.weight)
+        net.freeze(keys=["d2t"])
+        if size < V:
+            draft_ids = mx.array(used)
+    else:
+        config = eagle_config(target, 1, intermediate_size=args.intermediate_size)
+        net = EagleNet(config)
+    n_eval = min(args.eval_batches, len(valid_batches))
+    trainer = Trainer(
+        net, make_objective(target, args.ttt_steps, draft_ids), batches, tconfig, valid=valid_batches,
+        evaluate=lambda m: acceptance(m, target, valid_batches, n_eval),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        save_eagle(args.out, net, config)
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0

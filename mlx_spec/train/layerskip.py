@@ -11,11 +11,21 @@ keeps its own quality.
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_spec.errors import UserError
+from mlx_spec.files import write_model_files
+from mlx_spec.models import load_model
 from mlx_spec.models.llama import Model
+from mlx_spec.models.load import read_json
+from mlx_spec.tokenizer import load_tokenizer
+from mlx_spec.train.common import data_batches, train_config
 from mlx_spec.train.distill import masked_mean
+from mlx_spec.train.trainer import Trainer
 
 
 class KeyedBatches:
@@ -72,3 +82,24 @@ def exit_agreement(model: Model, batches, n_batches: int, exit_layer: int) -> di
         hits += (same * m).sum().item()
         count += m.sum().item()
     return {f"exit{exit_layer}_agreement": hits / max(count, 1.0)}
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mlx-spec train layerskip`: train on `--data` and write OUT."""
+    if not 0 <= args.layer_dropout < 1 or args.exit_scale < 0:
+        raise UserError("--layer-dropout must be in [0, 1) and --exit-scale >= 0")
+    tconfig = train_config(args)
+    model, path = load_model(args.target, for_training=True)
+    batches, valid_batches = data_batches(args, load_tokenizer(path))
+    n_eval = min(args.eval_batches, len(valid_batches))
+    exit_layer = max(len(model.layers) // 2, 1)
+    trainer = Trainer(
+        model, make_objective(args.layer_dropout, args.exit_scale), KeyedBatches(batches, args.seed), tconfig,
+        valid=KeyedBatches(valid_batches, args.seed + 1),
+        evaluate=lambda m: exit_agreement(m, valid_batches, n_eval, exit_layer),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        write_model_files(args.out, read_json(path / "config.json"), model.weights(), path)
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0

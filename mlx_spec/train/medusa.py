@@ -7,12 +7,20 @@ harder and matter less, as each is only reached through the earlier ones).
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.drafters.medusa import MedusaHeads
+from mlx_spec.drafters.medusa import MedusaHeads, save_medusa
+from mlx_spec.errors import UserError
+from mlx_spec.models import load_model
 from mlx_spec.models.llama import Model
+from mlx_spec.tokenizer import load_tokenizer
+from mlx_spec.train.common import data_batches, train_config
 from mlx_spec.train.distill import masked_mean
+from mlx_spec.train.trainer import Trainer
 
 DECAY = 0.8
 
@@ -61,3 +69,25 @@ def head_accuracy(heads: MedusaHeads, target: Model, batches, n_batches: int) ->
             hits[k] += (right * mask[:, shift:]).sum().item()
             counts[k] += mask[:, shift:].sum().item()
     return {f"head{k}_top1": h / max(c, 1.0) for k, (h, c) in enumerate(zip(hits, counts))}
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mlx-spec train medusa`: train on `--data` and write OUT."""
+    if args.heads < 1 or args.layers < 0:
+        raise UserError(f"--heads must be >= 1 and --layers >= 0, got {args.heads}, {args.layers}")
+    tconfig = train_config(args)
+    target, target_path = load_model(args.target, for_training=True)
+    target.freeze()
+    batches, valid_batches = data_batches(args, load_tokenizer(target_path))
+    heads = MedusaHeads(args.heads, args.layers, target.args.hidden_size, target.args.vocab_size)
+    heads.init_from_target(target)
+    n_eval = min(args.eval_batches, len(valid_batches))
+    trainer = Trainer(
+        heads, make_objective(target), batches, tconfig, valid=valid_batches,
+        evaluate=lambda m: head_accuracy(m, target, valid_batches, n_eval),
+    )
+    result = trainer.fit(resume=args.resume)
+    if trainer.group.rank() == 0:
+        save_medusa(args.out, heads, {"base_model_name_or_path": args.target})
+        print(json.dumps({"out": str(args.out), **result}))
+    return 0

@@ -10,10 +10,14 @@ held, whatever the number of heads.
 
 from __future__ import annotations
 
+import argparse
+
 import mlx.core as mx
 
-from mlx_spec.drafters.mtp_heads import MTPHeads
+from mlx_spec.drafters.mtp_heads import MTPHeads, mtp_heads_config
+from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
+from mlx_spec.train.common import train_blocks_on_target
 from mlx_spec.train.distill import masked_mean
 
 DECAY = 0.8
@@ -48,3 +52,16 @@ def make_objective(target: Model):
         return mtp_heads_loss(heads, target, batch["tokens"], batch["mask"])
 
     return objective
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mlx-spec train mtp-heads`: train on `--data` and write OUT."""
+    if args.heads < 1:
+        raise UserError(f"--heads must be >= 1, got {args.heads}")
+
+    def make_net(target):
+        config = mtp_heads_config(target, args.heads)
+        heads = MTPHeads(config)
+        return heads, config, heads.heads
+
+    return train_blocks_on_target(args, make_net, make_objective)
