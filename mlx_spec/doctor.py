@@ -68,10 +68,15 @@ def architectures() -> list[str]:
     """The targets mlx-spec runs, by model_type, and the drafts they verify."""
     from mlx_spec.models.config import ARCHITECTURES
     from mlx_spec.models.mlxlm import FAMILIES, HYBRID
+    from mlx_spec.models.whole import CHECKED
 
     own = ", ".join(ARCHITECTURES)
     trees = ", ".join(f for f in FAMILIES if f not in HYBRID)
     chains = ", ".join(f for f in FAMILIES if f in HYBRID)
+    whole = ", ".join(CHECKED)
     return [f"targets   {own}: every drafter, chains and trees (mlx-spec's own model code)",
             f"targets   {trees}: every drafter, chains and trees (mlx-lm's model code)",
-            f"targets   {chains}: every drafter, chains (linear-attention layers rolled back exactly; mlx-lm's model code)"]
+            f"targets   {chains}: every drafter, chains (linear-attention layers rolled back exactly; mlx-lm's model code)",
+            f"targets   {whole}: chains, every drafter but layerskip and skip (mlx-lm's forward, whole)",
+            "targets   any other family mlx-lm implements (keys and values its only state): as the line above; "
+            "runs on mlx-lm's code, not checked against transformers"]

@@ -33,6 +33,11 @@ ALIASES = {
     "qwen3-coder": "mlx-community/Qwen3-Coder-30B-A3B-Instruct-4bit",
     "llama3.1": "mlx-community/Llama-3.1-8B-Instruct-4bit",
     "vicuna": "lmsys/vicuna-7b-v1.3",
+    # 2026 models with published DFlash drafters, as their makers publish them (bfloat16;
+    # mlx-lm's `mlx_lm.convert -q` makes 4-bit copies, which load the same way)
+    "gemma4": "google/gemma-4-26B-A4B-it",
+    "qwen3.5": "Qwen/Qwen3.5-9B",
+    "qwen3.6": "Qwen/Qwen3.6-27B",
 }
 
 

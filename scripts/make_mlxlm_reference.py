@@ -4,7 +4,7 @@ saved by transformers, with transformers' own greedy tokens (tests/test_mlxlm_ta
 Needs torch and transformers, which mlx-spec itself does not depend on:
 
     pip install torch==2.13.0 transformers
-    python scripts/make_mlxlm_reference.py
+    python scripts/make_mlxlm_reference.py [NAME ...]
 
 tests/fixtures/mlxlm_reference/
   qwen3_moe/  Qwen3MoeForCausalLM as transformers 5 saves it: `num_local_experts`,
@@ -32,6 +32,8 @@ tests/fixtures/mlxlm_reference/
               `model.mtp_layers.0.*` (research/checkpoint-formats.md 5.2) beside the model's
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
+  gemma3_softcap/ gemma3_text/'s shape with `final_logit_softcapping` set (transformers applies it)
+  gemma4_text/, gemma2/, glm4_moe/  families mlx-spec runs through mlx-lm's forward, whole (`WHOLE`)
 Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
 transformers computed after it (reference.npz).
 """
@@ -85,6 +87,28 @@ CASES = {
                                         head_dim=8)),
     "olmoe": ("olmoe", dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, eos_token_id=2,
                             rope_theta=10000.0)),
+    # Gemma 3 with a final logit softcap set (mlx-lm's gemma3_text ignores it; transformers applies it)
+    "gemma3_softcap": ("gemma3_text", dict(hidden_size=80, num_hidden_layers=3, intermediate_size=96, sliding_window=8,
+                                           query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                                           layer_types=["sliding_attention"] * 2 + ["full_attention"])),
+}
+# Families mlx-spec runs through mlx-lm's forward whole (mlx_spec/models/whole.py; tests/test_whole_targets.py)
+WHOLE = {
+    # Gemma 4 text (E2B's form): sliding and full layers (a wider head on the full ones, partial "proportional"
+    # RoPE), the last two layers reusing the keys and values of the last earlier layer of their type, per-layer
+    # input embeddings, a final logit softcap; config.json as google/gemma-4-E2B-it's text_config says it
+    # (`global_head_dim`, where transformers 5.25 writes `per_layer_config`)
+    "gemma4_text": ("gemma4_text", dict(num_hidden_layers=4, intermediate_size=96, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
+                                        global_head_dim=32, final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    # Gemma 2: attention and final logit softcaps (the window longer than the text: mlx-lm's gemma2 attends to all)
+    "gemma2": ("gemma2", dict(intermediate_size=96, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=3.0, sliding_window=4096, tie_word_embeddings=True)),
+    # GLM-4.5's mixture of experts: a dense first layer, routed and shared experts, partial RoPE, q/k norms
+    "glm4_moe": ("glm4_moe", dict(num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
+                                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                  norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5, attention_bias=True)),
 }
 
 
@@ -169,9 +193,12 @@ def build(name: str, model_type: str, fields: dict) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SHAPE, **fields}), dtype=torch.float32)
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Write the fixtures of `names` (all of them, none given)."""
     prompt = np.random.default_rng(1).integers(3, SHAPE["vocab_size"], size=(1, 24))
-    for name, (model_type, fields) in CASES.items():
+    for name, (model_type, fields) in {**CASES, **WHOLE}.items():
+        if names and name not in names:
+            continue
         out = OUT / name
         shutil.rmtree(out, ignore_errors=True)
         model = build(name, model_type, fields).float().eval()
@@ -182,6 +209,14 @@ def main() -> None:
             ids = torch.from_numpy(prompt)
             for _ in range(GREEDY_TOKENS):
                 ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        if name == "gemma4_text":  # as published: the full layers' head size as `global_head_dim`
+            config = json.loads((out / "config.json").read_text())
+            config.pop("per_layer_config")
+            config["global_head_dim"] = fields["global_head_dim"]
+            (out / "config.json").write_text(json.dumps(config, indent=2))
+            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            with torch.no_grad():  # the published form builds the same model
+                assert torch.equal(reloaded(ids).logits, model(ids).logits)
         if name == "mimo":
             config = json.loads((out / "config.json").read_text())
             config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
@@ -210,4 +245,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

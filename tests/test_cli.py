@@ -53,6 +53,8 @@ def test_doctor_reports_backend_and_blas():
     assert "targets   llama, mistral, qwen2, qwen3: every drafter, chains and trees" in out.stdout
     assert "qwen3_moe, mimo, mixtral, qwen2_moe, olmoe, gpt_oss, gemma3_text, deepseek_v3: every drafter, chains and trees" in out.stdout
     assert "qwen3_next, qwen3_5, qwen3_5_moe: every drafter, chains (linear-attention layers" in out.stdout
+    assert "gemma4_text, gemma2, glm4_moe: chains, every drafter but layerskip and skip" in out.stdout
+    assert "any other family mlx-lm implements" in out.stdout and "not checked against transformers" in out.stdout
     if sys.platform.startswith("linux"):
         assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread
         off = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "1"})
@@ -113,9 +115,12 @@ def test_missing_config(broken):
 
 def test_unknown_model_type(broken):
     config = json.loads((broken / "config.json").read_text())
-    config["model_type"] = "gpt_neox"
+    config["model_type"] = "made_up_lm"  # a family neither mlx-spec nor mlx-lm implements
     (broken / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(gen(broken), "config.json", "model_type", "gpt_neox")
+    assert_one_line_error(gen(broken), "config.json", "model_type", "made_up_lm")
+    config["model_type"] = "gpt_neox"  # one mlx-lm implements, whose fields this config lacks
+    (broken / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(gen(broken), "config.json", "model_type", "gpt_neox", "layer_norm_eps")
 
 
 def test_missing_config_field(broken):

@@ -95,6 +95,9 @@ def test_aliases_name_hub_repos_and_their_drafters(tmp_path, monkeypatch):
     assert hub.expand("qwen3") == hub.ALIASES["qwen3"]
     assert hub.expand("Qwen3") == hub.ALIASES["qwen3"]
     assert find_drafter("dflash", "qwen3") == "z-lab/Qwen3-8B-DFlash-b16"
+    assert find_drafter("dflash", "gemma4") == "z-lab/gemma-4-26B-A4B-it-DFlash"
+    assert find_drafter("dflash", "qwen3.5") == "z-lab/Qwen3.5-9B-DFlash"
+    assert find_drafter("dflash", "qwen3.6") == "z-lab/Qwen3.6-27B-DFlash"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "qwen3").mkdir()
     assert hub.expand("qwen3") == "qwen3"  # a local folder of that name wins

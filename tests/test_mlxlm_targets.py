@@ -35,22 +35,34 @@ HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 GREEDY = SamplingParams()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    path = FIXTURES / request.param
+def load_family(name: str) -> tuple:
+    """A fixture's name, folder, model, prompt and transformers' greedy tokens after it."""
+    path = FIXTURES / name
     model, _ = load_model(str(path))
     ref = np.load(path / "reference.npz")
-    return request.param, path, model, ref["prompt"].tolist(), ref["greedy"].tolist()
+    return name, path, model, ref["prompt"].tolist(), ref["greedy"].tolist()
+
+
+def assert_is_transformers(family: tuple) -> None:
+    """The prompt's logits as transformers' (float32 noise; a misread is 1e-2), and the greedy tokens after it."""
+    name, path, model, prompt, greedy = family
+    logits = np.array(model(mx.array(prompt)[None])[0][0])
+    assert np.abs(logits - np.load(path / "reference.npz")["logits"]).max() < 5e-4
+    assert [t for e in plain_steps(model, prompt, GREEDY, len(greedy)) for t in e.tokens] == greedy
+
+
+def families(names: tuple[str, ...]):
+    """The module fixture `family`: each of `names`, loaded (`load_family`)."""
+    return pytest.fixture(scope="module", params=names, name="family")(lambda request: load_family(request.param))
+
+
+family = families(FAMILIES)
 
 
 def test_plain_greedy_is_transformers(family):
-    """The prompt's logits as transformers' (float32), and the greedy tokens after it, token for token;
-    gpt-oss and Gemma 3 with their sliding windows shorter than the text, Qwen3.5 as published."""
-    name, path, model, prompt, greedy = family
-    assert isinstance(model, MLXLMTarget)
-    logits = np.array(model(mx.array(prompt)[None])[0][0])
-    assert np.abs(logits - np.load(path / "reference.npz")["logits"]).max() < 5e-4  # float32 noise; a misread is 1e-2
-    assert [t for e in plain_steps(model, prompt, GREEDY, len(greedy)) for t in e.tokens] == greedy
+    """Token for token; gpt-oss and Gemma 3 with their sliding windows shorter than the text, Qwen3.5 as published."""
+    assert isinstance(family[2], MLXLMTarget)
+    assert_is_transformers(family)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mimo", "gpt_oss", "gemma3_text", "qwen3_next"])

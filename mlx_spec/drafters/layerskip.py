@@ -99,6 +99,9 @@ class LayerSkip(HostDrafter):
 
 def build(target: Model, o: Options) -> LayerSkip:
     L = target.args.num_hidden_layers
+    if not target.runs_apart:
+        raise UserError(f"--drafter {o.spec}: a {target.model_type} target runs whole (on mlx-lm's forward); "
+                        "LayerSkip runs its first layers apart")
     if o.source and not (o.source.isdigit() and 0 < int(o.source) < L):
         raise UserError(f"--drafter layerskip={o.source}: the exit layer must be an integer in 1..{L - 1}")
     return LayerSkip(target, int(o.source) if o.source else None)

@@ -192,4 +192,5 @@ TRAIN = Recipe("Medusa-1: heads on the frozen target; OUT is a folder that --dra
 # Heads `mlx-spec train medusa` wrote (sizes said, no model of their own) load as they are.
 CONVERT = Conversion("medusa", as_is=lambda path, config: "hidden_size" in config and "model_type" not in config)
 KINDS = (Kind("medusa", "Medusa heads on the target's last hidden state: a tree of candidates per round "
-              "(--tree, --tree-budget; the heads' top-1 chain on a target that verifies chains only)", build, takes=("tree_paths", "tree_budget"), train=TRAIN, convert=CONVERT, published=PUBLISHED),)
+              "(--tree, --tree-budget; the heads' top-1 chain on a target that verifies chains only)", build,
+              takes=("tree_paths", "tree_budget"), train=TRAIN, convert=CONVERT, published=PUBLISHED),)

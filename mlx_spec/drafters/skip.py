@@ -164,6 +164,9 @@ def skip_drafter(target: Model, spec: str | None = None) -> SkipDrafter:
     the first prompt, saved there); none: searched on the first prompt."""
     what = f"--drafter skip={spec}"
     L = target.args.num_hidden_layers
+    if not target.runs_apart:
+        raise UserError(f"--drafter skip: a {target.model_type} target runs whole (on mlx-lm's forward); "
+                        "Draft & Verify runs its layers apart")
     if not spec:
         return SkipDrafter(target)
     if spec.endswith(".json"):

@@ -176,6 +176,7 @@ class LlamaModel(nn.Module):
 
 class Model(nn.Module):
     verifies_trees = True  # per-token positions and tree masks (a hybrid target's linear layers have none)
+    runs_apart = True  # its layers run one by one, some without the others (LayerSkip, Draft & Verify)
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -118,9 +118,10 @@ def load_model(path_or_repo: str, revision: str | None = None, for_training: boo
     config_path = path / "config.json"
     config = read_json(config_path)
     if config.get("model_type") not in ARCHITECTURES:  # the families mlx-lm implements, through its code
-        from mlx_spec.models import mlxlm
+        from mlx_spec.models import mlxlm, whole
 
-        return mlxlm.load(path, config, compute_dtype(), lazy), path
+        family = mlxlm if config.get("model_type") in mlxlm.FAMILIES else whole
+        return family.load(path, config, compute_dtype(), lazy), path
     weights, origin = read_safetensors(path)
     model, weights = checked_weights(config, config_path, weights, origin, path)
     _load_into(model, weights, path, lazy)

@@ -42,7 +42,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models.config import check_fields
 from mlx_spec.models.dtypes import cast_floating
 from mlx_spec.models.llama import Model as LlamaModel, default_mask
-from mlx_spec.models.rope import RoPE, at_positions
+from mlx_spec.models.rope import SUPPORTED, RoPE, at_positions
 
 # model_type -> what it is; each checked against transformers' greedy output (tests/test_mlxlm_targets.py)
 FAMILIES = {
@@ -66,7 +66,7 @@ PERIODIC = {"gemma3_text": ("sliding_window_pattern", "full_attention"),
             "qwen3_next": ("full_attention_interval", "full_attention"),
             "qwen3_5": ("full_attention_interval", "full_attention"),
             "qwen3_5_moe": ("full_attention_interval", "full_attention")}
-SCALED_EMBEDDING = ("gemma3_text",)  # embeddings times sqrt(hidden size)
+SCALED_EMBEDDING = ("gemma3_text", "gemma2", "gemma4", "gemma4_text")  # embeddings times sqrt(hidden size)
 ARRAY_MASKS = ("deepseek_v3",)  # attention that applies the mask itself: a boolean array, never "causal"
 
 
@@ -109,7 +109,14 @@ class TargetArgs:
                    int(config.get("intermediate_size") or config.get("moe_intermediate_size") or 4 * hidden), heads,
                    int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or hidden // heads),
                    float(config.get("rms_norm_eps", 1e-6)), float(config.get("rope_theta", 10000.0)),
-                   config.get("rope_scaling"), None, _routed(config))
+                   _own_rope(config.get("rope_scaling")), None, _routed(config))
+
+
+def _own_rope(scaling: dict | None) -> dict | None:
+    """The target's RoPE scaling, for a new drafter's layers (mlx-spec's RoPE) to copy, where
+    mlx-spec's RoPE has it; else none (Gemma 4's "proportional": the drafter's rotation is its own)."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    return scaling if kind in SUPPORTED else None
 
 
 def _routed(config: dict) -> tuple[int, int] | None:
@@ -136,6 +143,12 @@ def mlx_lm_config(config: dict) -> dict:
         kind = rope.pop("rope_type", rope.pop("type", "default"))
         if kind != "default" and out.get("rope_scaling") is None:
             out["rope_scaling"] = {"type": kind, "rope_type": kind, **rope}
+        out.setdefault("rope_scaling", None)  # (transformers 5 keeps none apart; some mlx-lm families require it)
+    per_layer = out.get("per_layer_config")  # newer transformers write Gemma 4's global_head_dim so
+    if isinstance(per_layer, dict) and "global_head_dim" not in out and isinstance(out.get("layer_types"), list):
+        full = [v.get("head_dim") for i, v in per_layer.items() if out["layer_types"][int(i)] == "full_attention"]
+        if full and full[0]:
+            out["global_head_dim"] = full[0]
     if "num_local_experts" in out:
         out.setdefault("num_experts", out["num_local_experts"])
     period = PERIODIC.get(out.get("model_type"))
@@ -329,7 +342,7 @@ BEFORE_SANITIZE = {"gpt_oss": _gpt_oss_experts, "qwen3_5_moe": lambda weights, c
                    "deepseek_v3": _without_mtp_layers}  # (weights, config) -> weights
 
 
-def _classes(config: dict):
+def classes(config: dict):
     """mlx-lm's classes for `config`, reading the weights as `BEFORE_SANITIZE` says first."""
     from mlx_lm.utils import _get_classes
 
@@ -355,6 +368,13 @@ class MLXLMTarget(LlamaModel):
             if "text_config" in shape else shape
         self.args = TargetArgs.of(shape, len(text.model.layers))
         self.args.tie_word_embeddings = "lm_head" not in text
+        self._embed_scale = shape["hidden_size"] ** 0.5 if self.model_type in SCALED_EMBEDDING else None
+        self.softcap = shape.get("final_logit_softcapping")  # transformers' tanh cap on the logits, where set
+        self._prepare(text, shape)
+
+    def _prepare(self, text: nn.Module, shape: dict) -> None:
+        """What mlx-spec's layer loop needs of mlx-lm's layers: each layer's kind, transformers'
+        YaRN, a tape on linear attention, RoPE that rotates tree tokens to their own positions."""
         self.kinds = _layer_kinds(text, shape)
         _yarn_untruncated(text, shape)
         for layer, kind in zip(text.model.layers, self.kinds):
@@ -362,7 +382,6 @@ class MLXLMTarget(LlamaModel):
                 _tape(layer.linear_attn)
             else:
                 _set_rope(layer.self_attn, _TreeRoPE(layer.self_attn.rope))
-        self._embed_scale = shape["hidden_size"] ** 0.5 if self.model_type in SCALED_EMBEDDING else None
 
     @property
     def verifies_trees(self) -> bool:
@@ -391,6 +410,13 @@ class MLXLMTarget(LlamaModel):
         if self._embed_scale is None:
             return h
         return h * mx.array(self._embed_scale, dtype=h.dtype)  # as transformers: sqrt(H) in the weights' dtype
+
+    def unembed(self, h: mx.array) -> mx.array:
+        logits = super().unembed(h)
+        if not self.softcap:
+            return logits
+        cap = mx.array(self.softcap, dtype=logits.dtype)
+        return mx.tanh(logits / cap) * cap
 
     def compile(self) -> None:
         """mlx-lm's layers run as they are."""
@@ -455,20 +481,14 @@ class MLXLMTarget(LlamaModel):
 
 
 def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> MLXLMTarget:
-    """The mlx-lm model in `path` (its config already read as `config`), its
-    floating weights in `dtype` (None: as stored), read now or when first evaluated (`lazy`)."""
+    """The mlx-lm model in `path` (its config already read as `config`, a model_type of `FAMILIES`),
+    its floating weights in `dtype` (None: as stored), read now or when first evaluated (`lazy`)."""
     from mlx_lm.utils import load_model as mlx_lm_load
 
-
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise UserError(f"{path / 'config.json'}: model_type '{model_type}' is not supported")
     check_fields(config, str(path / "config.json"))
-    fields = mlx_lm_config(config)
-    if fields.get("final_logit_softcapping"):
-        raise UserError(f"{path / 'config.json'}: final_logit_softcapping is not supported for {model_type}")
     try:
-        inner, _ = mlx_lm_load(path, lazy=lazy, model_config=fields, get_model_classes=_classes)
+        inner, _ = mlx_lm_load(path, lazy=lazy, model_config=mlx_lm_config(config), get_model_classes=classes)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as e:
         raise UserError(f"{path}: mlx-lm cannot load it as {model_type} ({e})".splitlines()[0]) from None
     return MLXLMTarget(cast_floating(inner, dtype), config)

@@ -1,0 +1,128 @@
+"""Targets of every other family mlx-lm implements: mlx-lm's own forward, whole.
+
+The targets in `llama.py` and `mlxlm.py` run the layers one by one themselves,
+which lets them verify trees, exit early (LayerSkip) and verify exactly. A
+family they do not know (Gemma 4's per-layer inputs and shared keys and values,
+Gemma 2's soft-capped logits, GLM-4-MoE, ...) runs here through mlx-lm's own
+model `__call__`, untouched: it is handed mlx-spec's KV cache (which speaks
+mlx-lm's cache protocol: masks per row, trim), one per cache mlx-lm's
+`make_cache` would make, and each of its layers is wrapped so that the hidden
+state entering it is captured for the drafters that read the target's features.
+What mlx-lm does between the layers is then whatever the family does. A
+target verifies chains (the family's attention takes no per-token positions),
+with no early exit and no exact verification; a family that keeps state other
+than keys and values (convolutions, recurrences) is refused: mlx-spec could
+not roll it back.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib.util
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_spec.cache import KVCache
+from mlx_spec.errors import UserError
+from mlx_spec.models.config import check_fields
+from mlx_spec.models.dtypes import cast_floating
+from mlx_spec.models.mlxlm import MLXLMTarget, classes, mlx_lm_config
+
+# model_type -> what it is; each checked against transformers' logits and greedy tokens (tests/test_whole_targets.py)
+CHECKED = {
+    "gemma4_text": "Gemma 4 text models (sliding and full layers, shared keys and values, per-layer inputs, softcap)",
+    "gemma2": "Gemma 2 (attention and final logit softcaps)",
+    "glm4_moe": "GLM-4.5 / 4.6 mixture of experts",
+}
+# The hidden states captured in the forward being run: layer index -> state entering it.
+_STATES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("states", default=None)
+
+
+def _capture(layer: nn.Module, i: int, last: bool) -> None:
+    """Layer i of an mlx-lm model, as it is (its parameters where they were), recording the hidden
+    state entering it (and, for the last layer, the one leaving it) while a forward that asks runs."""
+    cls = type(layer)
+
+    def call(self, x: mx.array, *args, **kwargs):
+        out = cls.__call__(self, x, *args, **kwargs)
+        states = _STATES.get()
+        if states is not None:
+            states[i] = x
+            if last:  # some families' layers return more than the state (Gemma 4: its keys and values)
+                states[i + 1] = out[0] if isinstance(out, tuple) else out
+        return out
+
+    layer.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+
+
+class WholeTarget(MLXLMTarget):
+    """An mlx-lm model of a family mlx-spec has no layer loop for, as a target: chains only."""
+
+    verifies_trees = False
+    runs_apart = False
+
+    def _prepare(self, text: nn.Module, shape: dict) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        for i, layer in enumerate(text.model.layers):
+            _capture(layer, i, i == len(text.model.layers) - 1)
+        self.caches = len(make_prompt_cache(self.inner))  # mlx-lm's count (Gemma 4's shared layers have none)
+
+    def make_cache(self, rows: int = 1) -> list:
+        return [KVCache(rows) for _ in range(self.caches)]
+
+    def masks(self, *args, **kwargs) -> list:
+        raise UserError(f"a {self.model_type} target runs on mlx-lm's forward, whole: its layers do not run "
+                        "apart (as --drafter layerskip and skip need)")
+
+    def __call__(self, tokens: mx.array, cache: Sequence[KVCache] | None = None, positions: mx.array | None = None,
+                 mask: mx.array | None = None, capture: Sequence[int] = (), exit_layer: int | None = None,
+                 exact: bool = False) -> tuple[mx.array, tuple[mx.array, ...]]:
+        if positions is not None or mask is not None:
+            raise UserError(f"a {self.model_type} target runs on mlx-lm's forward, which verifies chains only: "
+                            "give no --tree or --tree-budget")
+        if exit_layer is not None:
+            self.masks()
+        if exact:
+            raise UserError(f"--exact: a {self.model_type} target runs on mlx-lm's attention; exact verification "
+                            "needs mlx-spec's own (the Llama, Mistral, Qwen2 and Qwen3 families)")
+        states: dict[int, mx.array] = {}
+        token = _STATES.set(states if capture else None)
+        try:
+            logits = self.inner(tokens, cache=list(cache) if cache is not None else None)  # [B, S, V]
+        finally:
+            _STATES.reset(token)
+        return logits, tuple(states[i] for i in capture)
+
+
+def implements(model_type: str) -> bool:
+    """Whether mlx-lm has model code for `model_type` (its own remapping of names included)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    return isinstance(model_type, str) and importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+
+
+def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> WholeTarget:
+    """The mlx-lm model in `path`, run whole (see the module docstring)."""
+    from mlx_lm.models.cache import KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not implements(model_type):
+        raise UserError(f"{path / 'config.json'}: model_type '{model_type}' is not supported "
+                        "(neither mlx-spec nor mlx-lm implements it)")
+    check_fields(config, str(path / "config.json"))
+    try:
+        inner, _ = mlx_lm_load(path, lazy=lazy, model_config=mlx_lm_config(config), get_model_classes=classes)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, AttributeError) as e:
+        raise UserError(f"{path / 'config.json'}: mlx-lm cannot build model_type '{model_type}' from it "
+                        f"({' '.join(str(e).split())})") from None
+    kept = {type(c).__name__ for c in make_prompt_cache(inner)}
+    if kept - {MLXLMCache.__name__, RotatingKVCache.__name__}:
+        raise UserError(f"{path}: a {model_type} model keeps state mlx-spec cannot roll back after a rejected "
+                        f"draft ({', '.join(sorted(kept))}), beside keys and values")
+    return WholeTarget(cast_floating(inner, dtype), config)

@@ -1,0 +1,116 @@
+"""Families mlx-spec runs through mlx-lm's forward, whole (mlx_spec/models/whole.py): Gemma 4
+(per-layer inputs, keys and values shared across layers, a final softcap), Gemma 2 (softcaps) and
+GLM-4.5's mixture of experts, each a tiny checkpoint transformers saved, checked against the tokens
+and logits transformers computed on it (scripts/make_mlxlm_reference.py, `WHOLE`); every chain
+drafter, the feature-reading ones included, greedy-identical to plain; speculative sampling
+distributed as the target's own; what needs the layers apart refused in one line."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_spec import sampling
+from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.drafters import make_drafter
+from mlx_spec.drafters.draft_model import DraftModel
+from mlx_spec.errors import UserError
+from mlx_spec.models import load_model
+from mlx_spec.models.mlxlm import MLXLMTarget
+from mlx_spec.models.whole import WholeTarget
+from mlx_spec.sampling import SamplingParams
+
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart, tv_bound
+from test_mlxlm_targets import FIXTURES, assert_is_transformers, chain_drafter, families, seeded
+from test_speculative import resample_from_target
+
+WHOLE = ("gemma4_text", "gemma2", "glm4_moe")
+GREEDY = SamplingParams()
+
+
+family = families(WHOLE)
+
+
+def test_plain_greedy_is_transformers(family):
+    """Softcaps, Gemma 4's shared keys and values and per-layer inputs, sliding windows shorter than the text."""
+    assert isinstance(family[2], WholeTarget)
+    assert_is_transformers(family)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "draft", "eagle3", "dflash", "mtp-heads"])
+def test_chain_drafters_are_greedy_identical(family, kind):
+    """Chains verified by mlx-lm's forward on mlx-spec's cache; EAGLE-3 and DFlash read the hidden
+    states captured entering the wrapped layers."""
+    name, _, model, prompt, _ = family
+    prompt = prompt + prompt[:12]  # (something for lookup to find)
+    plain = [t for e in plain_steps(model, prompt, GREEDY, 24) for t in e.tokens]
+    events = list(speculative_steps(model, prompt, GREEDY, 24, chain_drafter(kind, model), num_draft=3))
+    assert [t for e in events for t in e.tokens] == plain
+    assert sum(len(e.drafted) for e in events) > 0
+
+
+def test_gemma3_with_a_softcap_is_transformers():
+    """A Gemma 3 config that sets `final_logit_softcapping`: transformers caps the logits, mlx-lm's
+    gemma3_text does not, mlx-spec does (the cap here is below the uncapped logits: it matters)."""
+    path = FIXTURES / "gemma3_softcap"
+    model, _ = load_model(str(path))
+    ref = np.load(path / "reference.npz")
+    logits = np.array(model(mx.array(ref["prompt"])[None])[0][0])
+    assert isinstance(model, MLXLMTarget) and model.softcap == 3.0
+    assert np.abs(logits - ref["logits"]).max() < 5e-4
+    model.softcap = None
+    assert np.abs(np.array(model(mx.array(ref["prompt"])[None])[0][0]) - ref["logits"]).max() > 1e-2
+
+
+def test_what_needs_the_layers_apart_is_refused(family):
+    name, _, model, prompt, _ = family
+    for spec in ("layerskip", "skip"):
+        with pytest.raises(UserError, match=f"a {name} target runs whole"):
+            make_drafter(spec, model)
+    with pytest.raises(UserError, match="verifies chains only"):
+        model(mx.array(prompt)[None], model.make_cache(), mask=mx.ones((1, 1, 24, 24), dtype=mx.bool_))
+    with pytest.raises(UserError, match="--exact"):
+        model(mx.array(prompt)[None], model.make_cache(), exact=True)
+
+
+def tiny_gemma4(seed: int) -> WholeTarget:
+    """A Gemma 4 target of vocabulary V (mlx-lm's class, seeded weights): a shared layer, per-layer inputs."""
+    from mlx_lm.models import gemma4_text
+
+    config = dict(model_type="gemma4_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=16, vocab_size=V,
+                  vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, num_kv_shared_layers=1,
+                  layer_types=["full_attention", "full_attention"], sliding_window=4,
+                  final_logit_softcapping=2.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  max_position_embeddings=512)
+    return WholeTarget(seeded(gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config)), seed), config)
+
+
+def test_sampling_matches_the_targets_distribution(monkeypatch):
+    """Speculative sampling at temperature 1 on Gemma 4 (its softcapped distribution) is the target's own."""
+    target = tiny_gemma4(0)
+    params = SamplingParams(temp=1.0)
+    make = lambda: DraftModel(tiny(1, V, logit_scale=0.3), V)  # noqa: E731
+    p = exact_joint(target, STAT_PROMPT, params, 3)
+    assert empirical_tv(target, make, params, p) < tv_bound(p, N)
+    monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)  # a wrong rule fails it
+    assert told_apart(target, make, params, p)
+
+
+def test_a_family_with_state_beside_keys_and_values_is_refused(tmp_path):
+    """LFM2's convolution state cannot be rolled back after a rejected draft: refused, in one line."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import lfm2
+
+    config = dict(model_type="lfm2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                  block_dim=32, block_ff_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                  block_auto_adjust_ff_dim=False, full_attn_idxs=[1], rope_theta=10000.0, tie_word_embeddings=True)
+    model = lfm2.Model(lfm2.ModelArgs.from_dict(config))
+    folder = tmp_path / "lfm2"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="lfm2 model keeps state mlx-spec cannot roll back"):
+        load_model(str(folder))
