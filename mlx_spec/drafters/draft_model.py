@@ -3,6 +3,12 @@
 Its K steps are built as one lazy graph (each step's token feeds the next as an
 array, never through Python), so drafting costs one evaluation. Its KV cache
 keeps the longest prefix that is still valid after each verification.
+
+PARD (AMD, `amd/PARD-*`): a draft model trained to fill K positions at once.
+It reads the new tokens followed by K-1 copies of its `pard_token` in one
+forward; position i's distribution is the draft for token i (each drawn from
+its own distribution, which does not depend on the earlier drafts), and the
+mask tokens leave its cache after.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_spec.cache import cut_cache
-from mlx_spec.drafters.base import EMPTY, Conversion, Draft, Kind, Options, RowStates, common_prefix, draw_rows, padded_length
+from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, RowStates, common_prefix, draw_rows,
+                                    padded_length)
+from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
 
@@ -113,17 +121,64 @@ class DraftModel(RowStates):
         return Draft.steps(tokens, dists, ks)
 
 
+class Pard(DraftModel):
+    """PARD: K drafts in one forward of a draft model (see the module docstring)."""
+
+    kind = "pard"
+    k_max = 16  # one forward whatever K: far positions cost little
+
+    def __init__(self, model: Model, target_vocab: int, pard_token: int, path: Path | None = None):
+        super().__init__(model, target_vocab, path)
+        self.pard_token = pard_token
+
+    def _session(self) -> Pard:
+        return Pard(self.model, self.vocab, self.pard_token, self.path)
+
+    def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
+        K = max(ks)
+        if K == 0:
+            return [EMPTY() for _ in ks]
+        logits, n = self._read([c[len(held):] + [self.pard_token] * (K - 1) for c, held in zip(contexts, self.cached)])
+        at = mx.array([[m - K + i for i in range(K)] for m in n])  # [B, K]: the last real token, then the masks
+        logits = mx.take_along_axis(logits, at[..., None], axis=1)  # [B, K, V]
+        for b, c in enumerate(contexts):
+            self._keep(b, len(c))  # the masks leave the cache
+        self.base, self.drafted = [len(c) for c in contexts], [0] * len(ks)
+        tokens, lp = draw_rows(self._to_target_vocab(logits), params)  # [B, K], [B, K, V]
+        return Draft.rows(tokens, lp, ks)
+
+
 def build(target: Model, o: Options) -> DraftModel:
+    """A draft model; a PARD model (its config names a `pard_token`) drafts as one, whether given
+    as `pard=` or `draft=`."""
     from mlx_spec.models import load_model
+    from mlx_spec.models.load import read_json
     from mlx_spec.tokenizer import check_same_vocab, load_tokenizer
 
     model, path = load_model(o.source, o.revision)
     if o.tokenizer is not None:
         check_same_vocab(load_tokenizer(Path(path)), o.tokenizer, f"--drafter {o.spec}", "the target")
-    return DraftModel(model, target.args.vocab_size, Path(path))
+    token = read_json(Path(path) / "config.json").get("pard_token")
+    if token is None:
+        if o.spec.startswith("pard"):
+            raise UserError(f"--drafter {o.spec}: {Path(path) / 'config.json'} names no pard_token (not a PARD model)")
+        return DraftModel(model, target.args.vocab_size, Path(path))
+    if not isinstance(token, int) or not 0 <= token < model.args.vocab_size:
+        raise UserError(f"{Path(path) / 'config.json'}: pard_token must be a token id below {model.args.vocab_size}, "
+                        f"got {token!r}")
+    return Pard(model, target.args.vocab_size, token, Path(path))
 
 
 # A model in safetensors loads as it is; one published in pytorch_model.bin form only is converted.
 CONVERT = Conversion("llama", whole=True,
                      as_is=lambda path, config: any(path.glob("*.safetensors")) or not any(path.glob("pytorch_model*.bin")))
-KINDS = (Kind("draft", "a smaller model with the same tokenizer (trained with mlx-spec distill)", build, convert=CONVERT),)
+PUBLISHED_PARD = {  # AMD's, target-independent: each serves its family's models
+    "Qwen/Qwen3-8B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-4B": ("amd/PARD-Qwen3-0.6B",),
+    "Qwen/Qwen3-14B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-32B": ("amd/PARD-Qwen3-0.6B",),
+    "meta-llama/Llama-3.1-8B-Instruct": ("amd/PARD-Llama-3.2-1B",),
+    "meta-llama/Llama-3.3-70B-Instruct": ("amd/PARD-Llama-3.2-1B",),
+}
+KINDS = (Kind("draft", "a smaller model with the same tokenizer (trained with mlx-spec distill; a PARD model "
+              "drafts as one)", build, convert=CONVERT),
+         Kind("pard", "a PARD draft model (AMD's, as published): K drafts in one forward of it", build,
+              source="optional", alone="the one published for --model", convert=CONVERT, published=PUBLISHED_PARD))
