@@ -63,33 +63,24 @@ def _fast_blas_env() -> dict:
 
 
 @pytest.fixture(scope="session")
-def copy_model(tmp_path_factory):
-    """A tiny Qwen3 trained (here, for a few hundred steps) to continue a
-    segment it has seen earlier in its context."""
-    return _train_task_model(tmp_path_factory, "copy", 400)
+def copy_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3 trained to continue a segment it has seen earlier in its context
+    (`tiny.train_copy_model`, 400 steps; tests/fixtures/copy-model, copied here)."""
+    return _task_model(tmp_path_factory, "copy")
 
 
 @pytest.fixture(scope="session")
-def stride_model(tmp_path_factory):
-    """A tiny Qwen3 trained on letters walked with a stride (`tiny.stride_row`)."""
-    return _train_task_model(tmp_path_factory, "stride", 200)
+def stride_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3 trained on letters walked with a stride (`tiny.stride_row`; 200 steps)."""
+    return _task_model(tmp_path_factory, "stride")
 
 
-def _train_task_model(tmp_path_factory, task: str, steps: int):
-    import fcntl
-    import subprocess
-    import sys
+def _task_model(tmp_path_factory, task: str) -> Path:
+    """The trained model of `task` as it ships in tests/fixtures (training it is a minute of the
+    suite's time on 2 cores: `tiny.train_copy_model(folder, 400)` writes the copy model again,
+    `(folder, 200, task="stride")` the stride model), in a folder of its own that a test may write in."""
+    import shutil
 
-    # Trained once per test run: pytest-xdist's workers share the parent of
-    # their temporary folders, and take turns through a lock on it.
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    out, done = root / f"{task}-model", root / f"{task}-model.done"
-    with open(root / f"{task}-model.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            code = f"from tiny import train_copy_model; train_copy_model({str(out)!r}, {steps}, task={task!r})"
-            subprocess.run([sys.executable, "-c", code], env=_fast_blas_env(), check=True, timeout=600)
-            done.touch()
+    out = tmp_path_factory.mktemp(f"{task}-model")
+    shutil.copytree(Path(__file__).parent / "fixtures" / f"{task}-model", out, dirs_exist_ok=True)
     return out

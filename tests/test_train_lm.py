@@ -50,6 +50,7 @@ def test_train_lm_lowers_the_loss_on_a_toy_task():
 
 
 def test_trained_model_copies_an_unseen_segment(copy_model):
+    """The copy model the tests share (`tiny.train_copy_model`'s 400 steps, shipped in tests/fixtures)."""
     model, _ = load_model(str(copy_model))
     ids = copy_token_ids(copy_model)
     rng = np.random.default_rng(1234)  # segments the training never drew
