@@ -1,17 +1,23 @@
 """PARD drafters as AMD publishes them (amd/PARD-Qwen3-0.6B: a Qwen3 causal LM whose config.json
 adds `pard_token` and `spd_type: "pard"`, its weights and tokenizer as any model's): K drafts from
-one forward over the new tokens and K-1 mask tokens, the drafts those of a fresh forward over the
-whole context and the masks (the cache after each round holds the context alone), greedy output
-identical to plain decoding, sampled output distributed as the target's."""
+one forward over the new tokens and K-1 mask tokens, round for round the drafts AMD's own inference
+loop computes (scripts/make_pard_reference.py, tests/fixtures/pard_reference) and those of a fresh
+forward over the whole context and the masks (the cache after each round holds the context alone),
+greedy output identical to plain decoding, sampled output distributed as the target's."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
+import numpy as np
+
 from mlx_spec import api, sampling
-from mlx_spec.drafters import find_drafter
+from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.drafters import find_drafter, make_drafter
 from mlx_spec.drafters.draft_model import Pard
+from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 
 from helpers import assert_one_line_error
@@ -39,6 +45,34 @@ def test_a_pard_folder_drafts_greedy_identical(folders, in_process):
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["identical_to_plain"] is True and result["drafted_tokens"] > 0
+
+
+REFERENCE = Path(__file__).parent / "fixtures" / "pard_reference"
+GREEDY = SamplingParams()
+
+
+def test_drafts_are_those_of_amds_pard_loop():
+    """Each round of AMD's loop (its `--para` path) from the context it had: the same K drafts; and
+    mlx-spec's own loop gives the tokens AMD's kept, identical to plain decoding."""
+    ref = np.load(REFERENCE / "reference.npz")
+    target, _ = load_model(str(REFERENCE / "target"))
+    drafter = make_drafter(f"pard={REFERENCE / 'pard'}", target).new_session()
+    K = ref["drafts"].shape[1]
+    context = ref["prompt"].tolist()
+    drafter.add()
+    drafter.restart(0, context)
+    for r, (drafts, kept) in enumerate(zip(ref["drafts"].tolist(), ref["kept"].tolist())):
+        if r:
+            drafter.commit(0, context)
+        assert drafter.propose([context], [K], [GREEDY])[0].tokens.tolist() == drafts
+        context = context + [t for t in kept if t >= 0]
+    amd = context[len(ref["prompt"]):]
+    n = 24
+    events = list(speculative_steps(target, ref["prompt"].tolist(), GREEDY, n,
+                                    make_drafter(f"pard={REFERENCE / 'pard'}", target).new_session(), num_draft=K))
+    assert [t for e in events for t in e.tokens] == amd[:n]
+    assert [t for e in plain_steps(target, ref["prompt"].tolist(), GREEDY, n) for t in e.tokens] == amd[:n]
+    assert sum(len(e.drafted) for e in events) > 0
 
 
 class Counted:
