@@ -11,6 +11,9 @@ read. Three layouts (research notes, section 5):
 - Qwen3-Next/3.5: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}` and
   `mtp.layers.0.*`; RMSNorms are stored zero-centred (`1 + weight`), so 1 is added.
 
+A Qwen3.5/3.6 block split out of its model by mlx-vlm (`qwen3_5_mtp` folders, what
+mlx-community publishes as `*-MTP-*`) is read from its own folder (`read_extract`).
+
 Dense blocks only; MoE blocks and FP8 weights are refused.
 """
 
@@ -99,8 +102,49 @@ def _rename(layout: str, k: int, rest: str, source: str, experts: bool) -> str |
     raise UserError(f"{source}: unexpected MTP tensor '{rest}' in module {k} ({layout} layout)")
 
 
+# A Qwen3.5/3.6 MTP block as mlx-vlm's splitter writes it (`model_type: qwen3_5_mtp`): its own names.
+EXTRACT = {"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+           "fc.weight": "eh_proj.weight", "norm.weight": "norm.weight"}
+
+
+def read_extract(source_dir: Path) -> dict[str, mx.array]:
+    """An MTP block split out of its model (mlx-community/Qwen3.5-4B-MTP-4bit, Qwen3.6-27B-MTP-bf16: the
+    `mtp.` prefix gone, norms already plain, experts stacked as mlx-lm's, quantized or not), renamed as
+    `MTPNet`'s; quantized layers dequantized (one block: what that costs in memory is small)."""
+    from mlx_spec.models.load import read_json
+
+    config = read_json(source_dir / "config.json")
+    where = source_dir / "model.safetensors"
+    if not where.exists():
+        raise UserError(f"{source_dir}: no model.safetensors in a qwen3_5_mtp folder")
+    tensors = read_safetensors_file(where)
+    quantization = config.get("quantization") or {}
+    out = {}
+    for name, value in tensors.items():
+        stem = name.removesuffix(".weight")
+        if name.endswith((".scales", ".biases")):
+            continue
+        if f"{stem}.scales" in tensors:
+            if not {"group_size", "bits"} <= set(quantization):
+                raise UserError(f"{source_dir / 'config.json'}: '{name}' is quantized, and no 'quantization' says how")
+            value = mx.dequantize(value, tensors[f"{stem}.scales"], tensors.get(f"{stem}.biases"),
+                                  quantization["group_size"], quantization["bits"])
+        if name in EXTRACT:
+            out[f"layers.0.{EXTRACT[name]}"] = value
+        elif name.startswith("layers.0."):
+            out["layers.0.block." + name[len("layers.0."):]] = value
+        else:
+            raise UserError(f"{where}: tensor '{name}' is not one of a one-layer Qwen3.5 MTP block")
+    return out
+
+
 def read_mtp(source_dir: Path, target_config: dict) -> tuple[str, dict[str, mx.array]]:
     """(layout, MTP weights renamed as `MTPNet`'s), read from the shards that hold them."""
+    from mlx_spec.models.load import read_json
+
+    config = source_dir / "config.json"
+    if config.exists() and read_json(config).get("model_type") == "qwen3_5_mtp":
+        return "qwen3_next", read_extract(source_dir)
     index = source_dir / "model.safetensors.index.json"
     if index.exists():
         try:
