@@ -80,12 +80,13 @@ def _tv(counts, n, p):
     return 0.5 * sum(abs(counts[s] / n - p[s]) for s in p)
 
 
-def empirical_tv(model, make_drafter, params, p, n_tokens=3, **options):
-    """TV distance between N speculative samples of `n_tokens` and the exact joint `p`."""
+def empirical_tv(model, make_drafter, params, p, n_tokens=3, n=N, **options):
+    """TV distance between n speculative samples of `n_tokens` and the exact joint `p` (compare with
+    `tv_bound(p, n)`; a drafter that holds one row draws a sequence at a time: fewer keep it quick)."""
     counts = dict.fromkeys(p, 0)
-    for seq in itertools.islice(_draws(model, make_drafter, params, n_tokens, **options), N):
+    for seq in itertools.islice(_draws(model, make_drafter, params, n_tokens, **options), n):
         counts[seq] += 1
-    return _tv(counts, N, p)
+    return _tv(counts, n, p)
 
 
 def told_apart(model, make_drafter, params, p, **options) -> bool:

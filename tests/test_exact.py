@@ -40,7 +40,7 @@ def test_openblas_parts_from_plain_and_exact_verification_does_not(tmp_path):
     result = json.loads(proc.stdout)
     if not result.pop("blas"):
         pytest.skip("no system OpenBLAS here (.ci/run installs one)")
-    assert result["qwen3"].pop("default, 32 x 128") >= 1  # the problem is real here
+    assert result["qwen3"].pop("default, 12 x 128") >= 1  # the problem is real here
     for arch, row in result.items():
         assert row.pop("width") == 8
         assert row and all(v == 0 for v in row.values()), (arch, row)

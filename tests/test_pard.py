@@ -134,3 +134,36 @@ def test_published_and_refused(folders, in_process, checkpoints):
     finally:
         (pard / "config.json").write_text(json.dumps(config))
     assert_one_line_error(bad, "config.json", "pard_token")
+
+
+def test_copies_mask_is_amds():
+    """The query at position j of copy i sees copy 0 up to position j - i, and itself (AMD's collator's mask)."""
+    from mlx_spec.train.pard import copies_mask
+
+    S, K = 5, 3
+    sees = np.array(copies_mask(S, K))[0, 0]
+    for q in range(K * S):
+        i, j = divmod(q, S)
+        assert set(np.flatnonzero(sees[q])) == set(range(j - i + 1)) | {q}
+
+
+def test_train_pard_makes_the_masks_draft(stride_model, tmp_path):
+    """`mlx-spec train pard` for a short run, from the stride model itself (as a PARD drafter untrained, its
+    first draft is the target's own token and its masks know nothing): more tokens per target forward
+    than untrained, greedy identical to plain."""
+    from conftest import _fast_blas_env
+    from helpers import cli, tau_on_held_out_rows
+    from tiny import write_stride_data
+
+    data = write_stride_data(tmp_path / "data", stride_model)
+    out = tmp_path / "pard"
+    proc = cli("train", "pard", "--student", stride_model, "--data", data, "-o", out, "--k", "4", "--steps", "30",
+               "--batch-size", "8", "--seq-len", "32", "--lr", "1e-3", "--warmup", "5", "--quiet", env=_fast_blas_env())
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "config.json").read_text())["spd_type"] == "pard"
+    target, _ = load_model(str(stride_model))
+    model, _ = load_model(str(stride_model))
+    V = target.args.vocab_size
+    untrained = tau_on_held_out_rows(target, stride_model, lambda: Pard(model, V, pard_token=V - 1), 4)
+    trained = tau_on_held_out_rows(target, stride_model, make_drafter(f"pard={out}", target).new_session, 4)
+    assert trained > untrained + 0.5, (trained, untrained)

@@ -13,13 +13,14 @@ mask tokens leave its cache after.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import mlx.core as mx
 
 from mlx_spec.cache import cut_cache
-from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, RowStates, common_prefix, draw_rows,
-                                    padded_length)
+from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix,
+                                    draw_rows, padded_length)
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
@@ -170,8 +171,21 @@ def build(target: Model, o: Options) -> DraftModel:
 
 
 # A model in safetensors loads as it is; one published in pytorch_model.bin form only is converted.
-CONVERT = Conversion("llama", whole=True,
-                     as_is=lambda path, config: any(path.glob("*.safetensors")) or not any(path.glob("pytorch_model*.bin")))
+CONVERT = Conversion("llama", whole=True, as_is=lambda path, config: any(path.glob("*.safetensors"))
+                     or not any(path.glob("pytorch_model*.bin")))
+
+
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--student", required=True, help="the draft model to adapt: folder or Hub repo id")
+    p.add_argument("--k", type=int, default=8,
+                   help="positions it learns to fill in one forward (the real one and K-1 masks)")
+    p.add_argument("--pard-token", type=int, default=None, help="the mask token (default: the embedding's last row)")
+    p.set_defaults(lr=1e-4)
+
+
+TRAIN = Recipe("PARD (AMD's recipe): the draft model reads each row K times in one forward, its copies 1..K-1 as "
+               "mask tokens that see the real tokens up to i before them, and learns the token i + 1 ahead; OUT is "
+               "a folder that --drafter pard=OUT loads.", train_arguments, "mlx_spec.train.pard:run")
 PUBLISHED_PARD = {  # AMD's, target-independent: each serves its family's models
     "Qwen/Qwen3-8B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-4B": ("amd/PARD-Qwen3-0.6B",),
     "Qwen/Qwen3-14B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-32B": ("amd/PARD-Qwen3-0.6B",),
@@ -181,4 +195,5 @@ PUBLISHED_PARD = {  # AMD's, target-independent: each serves its family's models
 KINDS = (Kind("draft", "a smaller model with the same tokenizer (trained with mlx-spec distill; a PARD model "
               "drafts as one)", build, convert=CONVERT),
          Kind("pard", "a PARD draft model (AMD's, as published): K drafts in one forward of it", build,
-              source="optional", alone="the one published for --model", convert=CONVERT, published=PUBLISHED_PARD))
+              source="optional", alone="the one published for --model", convert=CONVERT, published=PUBLISHED_PARD,
+              train=TRAIN))
