@@ -278,6 +278,8 @@ def test_steady_rounds_wait_once_and_compile_nothing_new(monkeypatch, kind, rows
     size or the rounds before) and wait for the device once a round (evaluations and host reads)."""
     from mlx_spec import sampling
 
+    # A clock that ticks once a reading: the policy's choices (and so the shapes) do not follow the machine's load.
+    monkeypatch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=itertools.count().__next__))
     traces, real_compile = set(), mx.compile  # (function, its inputs' shapes) traced
 
     def counting(fun, *args, **kwargs):

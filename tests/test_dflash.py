@@ -127,12 +127,12 @@ def test_trained_dflash_accepts_and_ddtree_beats_the_block(stride_model, tmp_pat
 
     data = write_stride_data(tmp_path / "data", stride_model)
     target, _ = load_model(str(stride_model))
-    taus = {}
-    for steps in (40, 80):
-        out = tmp_path / f"dflash-{steps}"
+    taus, out = {}, tmp_path / "dflash"
+    for steps in (40, 80):  # the longer run goes on from the shorter one's checkpoint
         proc = cli("train", "dflash", "--target", stride_model, "--data", data, "-o", out, "--steps", str(steps),
                    "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10", "--block-size", "8",
-                   "--loss-decay", "0.7", "--save-every", "100", "--quiet", env=_fast_blas_env())
+                   "--loss-decay", "0.7", "--save-every", "100", "--quiet", *(["--resume"] if steps == 80 else []),
+                   env=_fast_blas_env())
         assert proc.returncode == 0, proc.stderr
         net = make_drafter(f"dflash={out}", target).net
         for budget in (None, 24):
