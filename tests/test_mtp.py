@@ -176,7 +176,7 @@ def test_trained_modules_get_accepted(stride_model, tmp_path):
     data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "mtp"
     proc = cli("train", "mtp", "--target", stride_model, "--data", data, "-o", out, "--modules", "2",
-               "--steps", "60", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "5",
+               "--steps", "40", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "5",
                "--quiet", env=_fast_blas_env())
     assert proc.returncode == 0, proc.stderr
     target, _ = load_model(str(stride_model))

@@ -299,7 +299,7 @@ def test_trained_medusa_heads_raise_accepted_length(stride_model, tmp_path):
     data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "medusa"
     proc = cli("train", "medusa", "--target", stride_model, "--data", data, "-o", out, "--heads", "3",
-               "--steps", "150", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10",
+               "--steps", "100", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "10",
                "--save-every", "50", "--quiet", env=_fast_blas_env())
     assert proc.returncode == 0, proc.stderr
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
