@@ -30,7 +30,8 @@ WEIGHTS = ("*.json", "*.safetensors", "*.bin", "*.pt")  # what a drafter repo's 
 
 def conversion(kind: str) -> Conversion | None:
     """How `kind`'s published folders are read ("target": `--model`, read as a draft model is)."""
-    return DRAFTERS["draft" if kind == "target" else kind].convert if kind == "target" or kind in DRAFTERS else None
+    kind = "draft" if kind == "target" else kind
+    return DRAFTERS[kind].convert if kind in DRAFTERS else None
 
 
 def _key(source: str, path: Path) -> str:

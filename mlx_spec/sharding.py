@@ -21,6 +21,9 @@ def shard(model, name: str, path: Path, adapters: str | Path | None = None) -> N
     run = distributed.current()
     if run is None:
         return
+    if not model.runs_apart:
+        raise UserError(f"--shard: a {model.model_type} target runs on mlx-lm's forward, whole: mlx-spec does not "
+                        "split it across ranks")
     from mlx_spec.weights import checkpoint_digest
 
     files = checkpoint_digest(path) + (checkpoint_digest(Path(adapters), "adapter_config.json") if adapters else b"")

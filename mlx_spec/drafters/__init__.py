@@ -15,7 +15,6 @@ from mlx_spec import demo, published
 from mlx_spec.drafters import dflash, draft_model, eagle, layerskip, lookup, medusa, mtp, mtp_heads, skip, suffix
 from mlx_spec.drafters.base import SHAPING, Draft, Drafter, Kind, Options
 from mlx_spec.errors import UserError
-from mlx_spec.published import is_demo
 
 REGISTRY: dict[str, Kind] = {k.name: k for module in (lookup, suffix, draft_model, medusa, eagle, dflash, layerskip,
                                                        skip, mtp_heads, mtp) for k in module.KINDS}
@@ -78,7 +77,7 @@ def published_source(kind: str, target_source: str) -> str | None:
     """The demo's own drafter of this kind, or the one published for the target,
     as published (None where the kind alone means something else: the target's
     own MTP modules, LayerSkip's exit, Draft & Verify's search)."""
-    if kind in REGISTRY and REGISTRY[kind].published or (kind in demo.DRAFTERS and is_demo(target_source)):
+    if (kind in REGISTRY and REGISTRY[kind].published) or (kind in demo.DRAFTERS and published.is_demo(target_source)):
         return find_drafter(kind, target_source)
     return None
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextvars
 import importlib.util
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,6 +75,9 @@ class WholeTarget(MLXLMTarget):
         return [KVCache(rows) for _ in range(self.caches)]
 
     def masks(self, *args, **kwargs) -> list:
+        self._whole()
+
+    def _whole(self) -> NoReturn:
         raise UserError(f"a {self.model_type} target runs on mlx-lm's forward, whole: its layers do not run "
                         "apart (as --drafter layerskip and skip need)")
 
@@ -85,7 +88,7 @@ class WholeTarget(MLXLMTarget):
             raise UserError(f"a {self.model_type} target runs on mlx-lm's forward, which verifies chains only: "
                             "give no --tree or --tree-budget")
         if exit_layer is not None:
-            self.masks()
+            self._whole()
         if exact:
             raise UserError(f"--exact: a {self.model_type} target runs on mlx-lm's attention; exact verification "
                             "needs mlx-spec's own (the Llama, Mistral, Qwen2 and Qwen3 families)")
@@ -102,8 +105,10 @@ def implements(model_type: str) -> bool:
     """Whether mlx-lm has model code for `model_type` (its own remapping of names included)."""
     from mlx_lm.utils import MODEL_REMAPPING
 
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return False
     name = MODEL_REMAPPING.get(model_type, model_type)
-    return isinstance(model_type, str) and importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
 
 
 def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> WholeTarget:
