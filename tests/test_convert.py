@@ -251,7 +251,7 @@ def llama_src(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["hostile", "truncated zip", "wrong magic", "storage too short", "missing shard"])
-def test_cli_refusals_exit_2_with_one_line(tmp_path, kind):
+def test_cli_refusals_exit_2_with_one_line(tmp_path, kind, in_process):
     src = tmp_path / "src"
     marker = tmp_path / "pwned"
     if kind == "missing shard":
@@ -268,7 +268,7 @@ def test_cli_refusals_exit_2_with_one_line(tmp_path, kind):
         else:
             needle = corrupt(kind, FIXTURES / "llama" / "pytorch_model.bin", bad)
         needle = (bad, needle)
-    proc = cli("convert", src, "-o", tmp_path / "out")
+    proc = in_process("convert", src, "-o", tmp_path / "out")
     assert_one_line_error(proc, *needle)
     assert not marker.exists()
     assert not (tmp_path / "out").exists()

@@ -254,9 +254,9 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
      "dflash2 tensors", "dflash2", "mask id", "no block size", "no taps", "gemma scaling", "sliding without flag",
      "speculators"],
 )
-def test_what_cannot_be_converted_is_a_one_line_error(tmp_path, kind):
+def test_what_cannot_be_converted_is_a_one_line_error(tmp_path, kind, in_process):
     src, where, needle = damaged(kind, tmp_path)
-    proc = cli("convert", src, "-o", tmp_path / "out")
+    proc = in_process("convert", src, "-o", tmp_path / "out")
     assert_one_line_error(proc, where, needle)
     assert not (tmp_path / "out").exists()
 
@@ -271,19 +271,19 @@ def test_what_cannot_be_converted_is_a_one_line_error(tmp_path, kind):
     ],
     ids=["layers", "hidden size", "mask id"],
 )
-def test_target_the_drafter_does_not_fit(tmp_path, mask_id, target, needle):
+def test_target_the_drafter_does_not_fit(tmp_path, mask_id, target, needle, in_process):
     other = make_checkpoint(tmp_path / "other", "qwen3", **target)
     src = FIXTURES / "b16"
     if mask_id is not None:
         config = fixture_config("b16") | {"vocab_size": 512}
         config["dflash_config"]["mask_token_id"] = mask_id
         src = source(tmp_path, published("b16"), config)
-    proc = cli("convert", src, "-o", tmp_path / "out", "--target", other)
+    proc = in_process("convert", src, "-o", tmp_path / "out", "--target", other)
     assert_one_line_error(proc, f"--target {other}", needle)
     assert not (tmp_path / "out").exists()
 
 
-def test_quantize_is_refused(tmp_path):
-    proc = cli("convert", FIXTURES / "b16", "-o", tmp_path / "out", "-q")
+def test_quantize_is_refused(tmp_path, in_process):
+    proc = in_process("convert", FIXTURES / "b16", "-o", tmp_path / "out", "-q")
     assert_one_line_error(proc, "--quantize", "dflash checkpoints cannot be quantized")
     assert not (tmp_path / "out").exists()

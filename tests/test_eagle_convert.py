@@ -170,10 +170,10 @@ def test_a_plain_config_is_told_by_its_tensors(tmp_path):
     assert written["mlx_spec"]["family"] == "eagle3" and "layers" not in written["eagle"]
 
 
-def test_a_one_layer_llama_still_converts_as_llama(tmp_path):
+def test_a_one_layer_llama_still_converts_as_llama(tmp_path, in_process):
     """yuhuili's configs are plain one-layer Llama configs: the tensors decide."""
     src = make_checkpoint(tmp_path / "src", "llama", num_hidden_layers=1)
-    proc = cli("convert", src, "-o", tmp_path / "out")
+    proc = in_process("convert", src, "-o", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert ": llama model from" in proc.stdout
 
@@ -228,9 +228,9 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str]:
      "specforge:fc width", "eagle3:d2t range", "eagle3:no d2t", "eagle1:no fc bias", "eagle1:input norm",
      "eagle1:embedding"],
 )
-def test_damaged_drafters_are_one_line_errors(tmp_path, kind):
+def test_damaged_drafters_are_one_line_errors(tmp_path, kind, in_process):
     src, needle = damaged(kind, tmp_path)
-    proc = cli("convert", src, "-o", tmp_path / "out")
+    proc = in_process("convert", src, "-o", tmp_path / "out")
     assert_one_line_error(proc, src / "model.safetensors", needle)
     assert not (tmp_path / "out").exists()
 
@@ -247,14 +247,14 @@ def test_damaged_drafters_are_one_line_errors(tmp_path, kind):
     ],
     ids=["eagle1 hidden size", "eagle3 hidden size", "vocabulary", "layers"],
 )
-def test_target_the_drafter_does_not_fit(tmp_path, name, target, needle):
+def test_target_the_drafter_does_not_fit(tmp_path, name, target, needle, in_process):
     other = make_checkpoint(tmp_path / "other", **target)
-    proc = cli("convert", FIXTURES / name, "-o", tmp_path / "out", "--target", other)
+    proc = in_process("convert", FIXTURES / name, "-o", tmp_path / "out", "--target", other)
     assert_one_line_error(proc, f"--target {other}", needle)
     assert not (tmp_path / "out").exists()
 
 
-def test_quantize_is_refused(tmp_path):
-    proc = cli("convert", FIXTURES / "eagle3", "-o", tmp_path / "out", "-q")
+def test_quantize_is_refused(tmp_path, in_process):
+    proc = in_process("convert", FIXTURES / "eagle3", "-o", tmp_path / "out", "-q")
     assert_one_line_error(proc, "--quantize", "eagle3 checkpoints cannot be quantized")
     assert not (tmp_path / "out").exists()

@@ -127,10 +127,10 @@ def damaged(kind: str) -> tuple[dict, str]:
     ["wrong shape", "missing tensor", "missing head", "unknown tensor", "extra layer", "layers disagree",
      "not floating"],
 )
-def test_damaged_head_files_are_one_line_errors(tmp_path, kind):
+def test_damaged_head_files_are_one_line_errors(tmp_path, kind, in_process):
     weights, needle = damaged(kind)
     src = heads_source(tmp_path, weights)
-    proc = cli("convert", src, "-o", tmp_path / "out")
+    proc = in_process("convert", src, "-o", tmp_path / "out")
     assert_one_line_error(proc, src / "medusa_lm_head.safetensors", needle)
     assert not (tmp_path / "out").exists()
 
@@ -143,24 +143,24 @@ def test_damaged_head_files_are_one_line_errors(tmp_path, kind):
     ],
     ids=["hidden size", "vocabulary"],
 )
-def test_target_the_heads_do_not_fit(tmp_path, sizes, needle):
+def test_target_the_heads_do_not_fit(tmp_path, sizes, needle, in_process):
     other = make_checkpoint(tmp_path / "other", "llama", **sizes)
-    proc = cli("convert", FIXTURE, "-o", tmp_path / "out", "--target", other)
+    proc = in_process("convert", FIXTURE, "-o", tmp_path / "out", "--target", other)
     assert_one_line_error(proc, f"--target {other}", needle)
     assert not (tmp_path / "out").exists()
 
 
-def test_quantize_is_refused(tmp_path):
-    proc = cli("convert", FIXTURE, "-o", tmp_path / "out", "-q")
+def test_quantize_is_refused(tmp_path, in_process):
+    proc = in_process("convert", FIXTURE, "-o", tmp_path / "out", "-q")
     assert_one_line_error(proc, "--quantize", "medusa")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_medusa_config_with_no_heads_anywhere(tmp_path):
+def test_a_medusa_config_with_no_heads_anywhere(tmp_path, in_process):
     """Neither a medusa_lm_head file nor a Medusa-2 model's heads inside its shards
     (tests/test_published_folders.py converts those)."""
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(FIXTURE / "config.json", src)
-    proc = cli("convert", src, "-o", tmp_path / "out")
+    proc = in_process("convert", src, "-o", tmp_path / "out")
     assert_one_line_error(proc, "medusa_lm_head.safetensors or medusa_lm_head.pt", "Medusa-2")
