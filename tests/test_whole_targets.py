@@ -74,22 +74,38 @@ def test_what_needs_the_layers_apart_is_refused(family):
         model(mx.array(prompt)[None], model.make_cache(), exact=True)
 
 
-def tiny_gemma4(seed: int) -> WholeTarget:
-    """A Gemma 4 target of vocabulary V (mlx-lm's class, seeded weights): a shared layer, per-layer inputs."""
-    from mlx_lm.models import gemma4_text
+# Each family's tiny config for the sampling test: vocabulary V, one or two layers (mlx-lm's classes).
+TINY = {
+    "gemma4_text": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, global_head_dim=16, vocab_size_per_layer_input=V,
+                        hidden_size_per_layer_input=8, num_kv_shared_layers=1, sliding_window=4,
+                        layer_types=["full_attention", "full_attention"], final_logit_softcapping=2.0),
+    "gemma2": dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, rope_theta=10000.0, rope_traditional=False,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=2.0, query_pre_attn_scalar=16),
+    "glm4_moe": dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, moe_intermediate_size=16,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, n_group=1, topk_group=1,
+                     n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
+                     routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=True, attention_bias=False,
+                     partial_rotary_factor=0.5, rope_theta=10000.0, rope_scaling=None),
+}
 
-    config = dict(model_type="gemma4_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=16, vocab_size=V,
-                  vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, num_kv_shared_layers=1,
-                  layer_types=["full_attention", "full_attention"], sliding_window=4,
-                  final_logit_softcapping=2.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  max_position_embeddings=512)
-    return WholeTarget(seeded(gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config)), seed), config)
+
+def tiny_whole(name: str, seed: int) -> WholeTarget:
+    """A target of vocabulary V in family `name` (mlx-lm's class, seeded weights)."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    config = dict(model_type=name, vocab_size=V, rms_norm_eps=1e-6, tie_word_embeddings=name != "glm4_moe",
+                  max_position_embeddings=512, **TINY[name])
+    return WholeTarget(seeded(module.Model(module.ModelArgs.from_dict(config)), seed), config)
 
 
-def test_sampling_matches_the_targets_distribution(monkeypatch):
-    """Speculative sampling at temperature 1 on Gemma 4 (its softcapped distribution) is the target's own."""
-    target = tiny_gemma4(0)
+@pytest.mark.parametrize("name", WHOLE)
+def test_sampling_matches_the_targets_distribution(name, monkeypatch):
+    """Speculative sampling at temperature 1 is distributed as the target's own (Gemma's softcapped ones,
+    GLM-4.5's mixture of experts)."""
+    target = tiny_whole(name, 0)
     params = SamplingParams(temp=1.0)
     make = lambda: DraftModel(tiny(1, V, logit_scale=0.3), V)  # noqa: E731
     p = exact_joint(target, STAT_PROMPT, params, 3)

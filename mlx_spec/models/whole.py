@@ -25,7 +25,7 @@ from typing import NoReturn, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.cache import KVCache
+from mlx_spec.cache import KVCache, RowOf
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import check_fields
 from mlx_spec.models.dtypes import cast_floating
@@ -37,6 +37,10 @@ CHECKED = {
     "gemma2": "Gemma 2 (attention and final logit softcaps)",
     "glm4_moe": "GLM-4.5 / 4.6 mixture of experts",
 }
+# Families whose attention takes a batch's per-row masks (`[B, 1, S, L]`), checked with rows of a batch
+# (tests/test_whole_targets.py); the others run a batch's rows one forward each (mlx-lm's gemma2, with
+# grouped queries, broadcasts such a mask across heads wrongly).
+BATCHED = ("gemma4_text", "gemma4", "glm4_moe")
 # The hidden states captured in the forward being run: layer index -> state entering it.
 _STATES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("states", default=None)
 
@@ -92,6 +96,14 @@ class WholeTarget(MLXLMTarget):
         if exact:
             raise UserError(f"--exact: a {self.model_type} target runs on mlx-lm's attention; exact verification "
                             "needs mlx-spec's own (the Llama, Mistral, Qwen2 and Qwen3 families)")
+        if tokens.shape[0] > 1 and cache is not None and self.model_type not in BATCHED:
+            rows = [self._forward(tokens[b : b + 1], [RowOf(c, b) for c in cache], capture)
+                    for b in range(tokens.shape[0])]
+            return (mx.concatenate([logits for logits, _ in rows]),
+                    tuple(mx.concatenate([states[i] for _, states in rows]) for i in range(len(capture))))
+        return self._forward(tokens, cache, capture)
+
+    def _forward(self, tokens: mx.array, cache, capture: Sequence[int]) -> tuple[mx.array, tuple[mx.array, ...]]:
         states: dict[int, mx.array] = {}
         token = _STATES.set(states if capture else None)
         try:
