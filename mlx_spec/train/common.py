@@ -116,9 +116,12 @@ def start_from(block, layer) -> None:
 
 
 
-def train_blocks_on_target(args: argparse.Namespace, make_net, make_objective) -> int:
-    """Train a drafter made by `make_net(target) -> (net, config, blocks)` on the
-    frozen target; each of `blocks` starts as the target's last layer."""
+def train_blocks_on_target(args: argparse.Namespace, flag: str, count: int, config_of, Net, blocks_of,
+                           make_objective) -> int:
+    """Train `Net(config_of(target, count))` (`count` blocks, as `flag` gives them) on the frozen
+    target; each of `blocks_of(net)` starts as the target's last layer."""
+    if count < 1:
+        raise UserError(f"{flag} must be >= 1, got {count}")
     from mlx.utils import tree_flatten
 
     from mlx_spec.files import write_model_files
@@ -130,8 +133,9 @@ def train_blocks_on_target(args: argparse.Namespace, make_net, make_objective) -
     target, path = load_model(args.target, for_training=True)
     target.freeze()
     batches, valid_batches = data_batches(args, load_tokenizer(path))
-    net, config, blocks = make_net(target)
-    for block in blocks:
+    config = config_of(target, count)
+    net = Net(config)
+    for block in blocks_of(net):
         start_from(block, target.layers[-1])
     trainer = Trainer(net, make_objective(target), batches, tconfig, valid=valid_batches)
     result = trainer.fit(resume=args.resume)

@@ -14,7 +14,6 @@ import argparse
 import mlx.core as mx
 
 from mlx_spec.drafters.mtp import MTPNet
-from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.train.common import train_blocks_on_target
 from mlx_spec.train.distill import masked_mean
@@ -57,12 +56,5 @@ def make_objective(target: Model):
 
 def run(args: argparse.Namespace) -> int:
     """`mlx-spec train mtp`: train on `--data` and write OUT."""
-    if args.modules < 1:
-        raise UserError(f"--modules must be >= 1, got {args.modules}")
-
-    def make_net(target):
-        config = mtp_config(target, args.modules)
-        net = MTPNet(config)
-        return net, config, [module.block for module in net.layers]
-
-    return train_blocks_on_target(args, make_net, make_objective)
+    return train_blocks_on_target(args, "--modules", args.modules, mtp_config, MTPNet,
+                                  lambda net: [module.block for module in net.layers], make_objective)

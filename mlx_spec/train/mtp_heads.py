@@ -15,7 +15,6 @@ import argparse
 import mlx.core as mx
 
 from mlx_spec.drafters.mtp_heads import MTPHeads, mtp_heads_config
-from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.train.common import train_blocks_on_target
 from mlx_spec.train.distill import masked_mean
@@ -56,12 +55,5 @@ def make_objective(target: Model):
 
 def run(args: argparse.Namespace) -> int:
     """`mlx-spec train mtp-heads`: train on `--data` and write OUT."""
-    if args.heads < 1:
-        raise UserError(f"--heads must be >= 1, got {args.heads}")
-
-    def make_net(target):
-        config = mtp_heads_config(target, args.heads)
-        heads = MTPHeads(config)
-        return heads, config, heads.heads
-
-    return train_blocks_on_target(args, make_net, make_objective)
+    return train_blocks_on_target(args, "--heads", args.heads, mtp_heads_config, MTPHeads, lambda heads: heads.heads,
+                                  make_objective)
