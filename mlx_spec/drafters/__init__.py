@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from mlx_spec import demo, published
-from mlx_spec.drafters import dflash, draft_model, eagle, layerskip, lookup, medusa, mtp, mtp_heads, skip, suffix
+from mlx_spec.drafters import (assistant, dflash, draft_model, eagle, layerskip, lookup, medusa, mtp, mtp_heads, skip,
+                               suffix)
 from mlx_spec.drafters.base import SHAPING, Draft, Drafter, Kind, Options
 from mlx_spec.errors import UserError
 
 REGISTRY: dict[str, Kind] = {k.name: k for module in (lookup, suffix, draft_model, medusa, eagle, dflash, layerskip,
-                                                       skip, mtp_heads, mtp) for k in module.KINDS}
+                                                       skip, mtp_heads, mtp, assistant) for k in module.KINDS}
 
 
 def register(kind: Kind) -> None:
@@ -50,7 +51,7 @@ def make_drafter(spec: str, target, *, target_source: str | None = None,
     name, _, source = spec.partition("=")
     if name != "none" and name not in REGISTRY:
         raise UserError(f"--drafter: unknown kind '{name}' (known: none, {', '.join(REGISTRY)})")
-    options = Options(source=source or None, spec=spec, **flags)
+    options = Options(source=source or None, spec=spec, target_source=target_source, **flags)
     if name == "none":
         if source:
             raise UserError(f"--drafter none: takes no source, got '{source}'")

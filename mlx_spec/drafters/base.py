@@ -31,6 +31,7 @@ class Options:
     topk: int = 8  # EAGLE dynamic trees: nodes expanded per level
     block_size: int | None = None  # DFlash: positions per block
     spec: str = ""  # as the user wrote it, for messages
+    target_source: str | None = None  # the --model given (Gemma 4's `mtp` alone is its published assistant)
 
 
 # Options a kind must declare in `Kind.takes` for them to be given (flag, how to tell it was).

@@ -34,6 +34,7 @@ section: `layout`, `num_modules`, `hidden_first`, `has_head`) and
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,12 +42,15 @@ import mlx.nn as nn
 
 from mlx_spec.attention import causal_array
 from mlx_spec.cache import KVCache, cut_cache
+from mlx_spec.drafters import assistant
+from mlx_spec.drafters.assistant import Assistant
 from mlx_spec.drafters.base import EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, draw_rows, padded
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
 from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
+from mlx_spec.published import find
 from mlx_spec.sampling import SamplingParams
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -298,7 +302,10 @@ class MTP(RowStates):
         return sum(h.shape[1] for h in self.inputs[b][k])
 
 
-def build(target: Model, o: Options) -> MTP:
+def build(target: Model, o: Options) -> MTP | Assistant:
+    if o.source is None and getattr(target, "model_type", None) in assistant.TARGETS and o.target_source:
+        # Gemma 4's MTP drafter is published beside the model: its assistant
+        return assistant.build(target, replace(o, source=find("assistant", assistant.PUBLISHED, o.target_source)))
     if o.source is None:
         raise UserError("--drafter mtp: give the modules as mtp=PATH (alone, they are the target checkpoint's own)")
     net, _, _ = load_mtp(o.source, o.revision)
@@ -317,5 +324,6 @@ TRAIN = Recipe("MTP modules (DeepSeek-V3): module k combines the depth k-1 hidde
 # A target checkpoint's own modules are cut out of it, shaped by the target; a folder with an "mtp" section loads.
 CONVERT = Conversion("mtp", as_is=lambda path, config: isinstance(config.get("mtp"), dict))
 KINDS = (Kind("mtp", "DeepSeek-style sequential multi-token-prediction modules", build, source="optional",
-              alone="the target checkpoint's own modules (DeepSeek-V3, MiMo and Qwen3-Next layouts)",
+              alone="the target checkpoint's own modules (DeepSeek-V3, MiMo and Qwen3-Next layouts); on Gemma 4, "
+                    "its published assistant",
               train=TRAIN, convert=CONVERT),)

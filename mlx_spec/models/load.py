@@ -132,8 +132,11 @@ def load_model(path_or_repo: str, revision: str | None = None, for_training: boo
 
 def load_module_weights(module: nn.Module, path: Path, what: str) -> None:
     """Load `path`'s safetensors into `module` (a drafter), checked against its
-    parameters; floating weights in the compute dtype."""
+    parameters (after the module's `sanitize`, where it has one: mlx-lm's convention for
+    published names or dtypes that are not its own); floating weights in the compute dtype."""
     weights, origin = read_safetensors(path)
+    if hasattr(module, "sanitize"):
+        weights = module.sanitize(dict(weights))
     check_weights(dict(tree_flatten(module.parameters())), weights, origin, path, what)
     _load_into(module, weights, path)
 
