@@ -14,11 +14,14 @@ config through transformers' Qwen3Config, where `sliding_window` counts only
 with `use_sliding_window` and, without `layer_types`, applies from layer
 `max_window_layers` on.
 
-Refused, each in one line: DFlash 2 (`DFlash2DraftModel`, whose convolutions
-and candidate selector `DFlashNet` lacks), speculators' DFlash layout,
-Gemma-4's embedding and logit scaling, and a drafter's own `lm_head` or
-`embed_tokens`: DFlash uses the target's, and one a drafter ships may have been
-trained (vLLM then uses it), so dropping it is not known to be safe.
+DFlash 2 (`DFlash2DraftModel`) converts the same way, its convolutions and
+candidate selector with it (the selector's bare codebooks named `.weight`), as
+do the scalings Gemma 4 and DFlash 2 drafts set in `dflash_config`.
+
+Refused, each in one line: speculators' DFlash layouts (`transformer_layer_config`),
+and a drafter's own `lm_head` or `embed_tokens`: DFlash uses the target's, and
+one a drafter ships may have been trained (vLLM then uses it), so dropping it
+is not known to be safe.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import mlx.core as mx
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
 from mlx_spec.weights import read_safetensors
-from mlx_spec.drafters.dflash import DFlashNet, check_dflash_fits
+from mlx_spec.drafters.dflash import DFlash2Net, DFlashNet, check_dflash_fits, is_dflash2
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
@@ -47,10 +50,7 @@ WEIGHTS = ("model*.safetensors", "model.safetensors.index.json")
 # vLLM's loader puts on every weight).
 _ALIASES = {"midlayer.": "layers.0.", "encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
 _OWN_HEADS = ("lm_head.", "embed_tokens.")
-_DFLASH2_CONFIG = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-_DFLASH2_TENSORS = ("attention_conv.", "mlp_conv.", "candidate_selector.")
-# dflash_config entries of Gemma-4 drafts that DFlash does not apply -> their no-op value
-_SCALING = {"input_embedding_scale": 1, "output_multiplier": 1, "final_logit_softcapping": 0}
+_BOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")  # stored bare
 
 
 def detect(source: Source) -> bool:
@@ -66,26 +66,18 @@ def fetch(source: Source) -> Path:
 
 def _config(published: dict, where: Path) -> dict:
     """The config to write, after refusing what DFlashNet cannot run."""
-    if published.get("speculators_model_type") == "dflash":
+    if str(published.get("speculators_model_type")).startswith("dflash"):
         raise UserError(
             f"{where}: speculators' DFlash layout (transformer_layer_config) is not supported; convert z-lab's"
         )
     extra = published.get("dflash_config") or {}
-    architectures = [str(a) for a in published.get("architectures") or []]
-    if any("DFlash2" in a for a in architectures) or any(k in extra for k in _DFLASH2_CONFIG):
-        raise UserError(
-            f"{where}: a DFlash 2 drafter ({', '.join(architectures) or 'dflash_config.conv_*/selector_*'}): its "
-            "convolutions and candidate selector are not supported; DFlash (DFlashDraftModel) drafters convert"
-        )
-    for key, neutral in _SCALING.items():
-        if extra.get(key) not in (None, neutral):
-            raise UserError(f"{where}: dflash_config.{key} {extra[key]} (Gemma-4 drafts) is not supported")
     if "target_layer_ids" not in extra and not published.get("num_target_layers"):
         raise UserError(
             f"{where}: neither dflash_config.target_layer_ids nor num_target_layers says which target layers it reads"
         )
     config = dict(published)
-    window = published.get("sliding_window") if published.get("use_sliding_window") else None
+    # (DFlash 2's config names its layers' kinds and window outright, as mlx-vlm reads it)
+    window = published.get("sliding_window") if published.get("use_sliding_window") or is_dflash2(published) else None
     kinds = published.get("layer_types")
     if kinds is None:
         first = published.get("max_window_layers", 28)  # Qwen3Config's default
@@ -103,6 +95,8 @@ def _config(published: dict, where: Path) -> dict:
 
 def _ours(name: str) -> str:
     name = name.removeprefix("model.")
+    if name in _BOOKS:
+        return f"{name}.weight"
     for alias, ours in _ALIASES.items():
         if name.startswith(alias):
             return ours + name.removeprefix(alias)
@@ -112,7 +106,7 @@ def _ours(name: str) -> str:
 def convert(path: Path, source: Source) -> Converted:
     config_path = path / "config.json"
     config = _config(source.config, config_path)
-    net = DFlashNet(config, str(config_path))
+    net = build(config, str(config_path))
     vocab = config.get("vocab_size")
     mask = net.settings["mask_token_id"]
     if isinstance(vocab, int) and mask >= vocab:
@@ -126,8 +120,6 @@ def convert(path: Path, source: Source) -> Converted:
     published: dict[str, str] = {}  # our name -> the file's
     for name in weights:
         ours = _ours(name)
-        if any(part in name for part in _DFLASH2_TENSORS):
-            raise UserError(f"{origin[name]}: tensor '{name}' is a DFlash 2 drafter's, which is not supported")
         if ours.startswith(_OWN_HEADS):
             raise UserError(
                 f"{origin[name]}: tensor '{name}': the drafter ships its own embedding or LM head, which is not "
@@ -155,8 +147,9 @@ def convert(path: Path, source: Source) -> Converted:
     return Converted(config, {k: weights[published[k]] for k in expected}, {k: origin[published[k]] for k in expected})
 
 
-def build(config: dict) -> DFlashNet:
-    return DFlashNet(config)  # parameters initialised lazily, never evaluated here
+def build(config: dict, where: str = "config.json") -> DFlashNet:
+    # parameters initialised lazily, never evaluated here
+    return DFlash2Net(config, where) if is_dflash2(config) else DFlashNet(config, where)
 
 
 def check_target(converted: Converted, path: Path, target: str) -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
     """`mlx-spec ARGS` in a subprocess, as a user would run it."""
@@ -134,3 +136,54 @@ def cli_bounded(*args, address_space: int = 1536 << 20) -> subprocess.CompletedP
         preexec_fn=limit,
         timeout=120,
     )
+
+
+def assert_rounds_are(ref, target, drafter, k: int, recorded: list, as_round, atol: float) -> None:
+    """Greedy decoding of `ref["prompt"]` with `drafter`, k drafts a round: its tokens are `ref["tokens"]` and
+    plain decoding's, and every round the reference drafted from the context it had (`ref["drafts"]`
+    `[R, k]`, `ref["logits"]` `[R, k, V]`) is drafted here the same, its logits within `atol`. `recorded`
+    fills with a round's logits as the drafter computes them (a spy the test set); `as_round` makes them `[k, V]`."""
+    from mlx_spec.decoding import plain_steps, speculative_steps
+    from mlx_spec.sampling import SamplingParams
+
+    seen, propose = {}, drafter.propose
+
+    def spy(contexts, ks, params):
+        recorded.clear()
+        drafts = propose(contexts, ks, params)
+        seen[len(contexts[0])] = (drafts[0].tokens.tolist(), as_round(recorded))
+        return drafts
+
+    drafter.propose = spy
+    prompt, greedy = ref["prompt"].tolist(), SamplingParams()
+    tokens = [t for e in speculative_steps(target, prompt, greedy, len(ref["tokens"]), drafter, num_draft=k)
+              for t in e.tokens]
+    assert tokens == ref["tokens"].tolist() == [t for e in plain_steps(target, prompt, greedy, len(tokens))
+                                               for t in e.tokens]
+    n = len(prompt) + 1
+    for drafts, want in zip(ref["drafts"].tolist(), ref["logits"]):
+        if n - len(prompt) >= len(tokens) - 1:
+            break  # the last token is a plain round's
+        got, got_logits = seen[n]  # (the last rounds draft fewer: no more than the tokens left)
+        assert got == drafts[: len(got)] and len(got) >= 1
+        np.testing.assert_allclose(got_logits, want[: len(got)], atol=atol, rtol=0)
+        n += next((i for i, (d, t) in enumerate(zip(drafts, tokens[n - len(prompt):])) if d != t), k) + 1
+
+
+def assert_batch_is_greedy_identical(target, drafter, prompts: list[list[int]], max_tokens: int, k: int) -> None:
+    """Rows of different lengths decoded in one batch with `drafter` (k drafts a round): each its plain tokens."""
+    from mlx_spec.decoding import Decoder, plain_steps
+    from mlx_spec.sampling import SamplingParams
+
+    greedy, decoder = SamplingParams(), Decoder(target, num_draft=k)
+    out = {b: [] for b in range(len(prompts))}
+    for b, prompt in enumerate(prompts):
+        decoder.add(b, prompt, greedy, max_tokens, drafter)
+    drafted = 0
+    while not decoder.done:
+        for b, event in decoder.step().items():
+            out[b] += event.tokens
+            drafted += len(event.drafted)
+    assert drafted > 0
+    for b, prompt in enumerate(prompts):
+        assert out[b] == [t for e in plain_steps(target, prompt, greedy, max_tokens) for t in e.tokens]

@@ -98,3 +98,17 @@ def told_apart(model, make_drafter, params, p, **options) -> bool:
         if n in (500, 1000, N) and _tv(counts, n, p) > tv_bound(p, n):
             return True
     return False
+
+
+def assert_distributed_as_target(target, make_drafter, monkeypatch, params=None) -> None:
+    """Speculative samples (temperature 1 unless `params`) are distributed as the target's own, and a wrong
+    acceptance rule (the residual drawn from the target alone) is told apart: the check has teeth."""
+    from mlx_spec import sampling
+    from mlx_spec.sampling import SamplingParams
+    from test_speculative import resample_from_target
+
+    params = params or SamplingParams(temp=1.0)
+    p = exact_joint(target, STAT_PROMPT, params, 3)
+    assert empirical_tv(target, make_drafter, params, p) < tv_bound(p, N)
+    monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)
+    assert told_apart(target, make_drafter, params, p)

@@ -12,8 +12,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_spec import sampling
-from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters import find_drafter, make_drafter
 from mlx_spec.drafters.assistant import Assistant, AssistantNet, check_fits
 from mlx_spec.errors import UserError
@@ -21,10 +19,9 @@ from mlx_spec.models import load_model
 from mlx_spec.models.whole import WholeTarget
 from mlx_spec.sampling import SamplingParams
 
-from helpers import fake_hub_cache
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, told_apart, tv_bound
+from helpers import assert_batch_is_greedy_identical, assert_rounds_are, fake_hub_cache
+from stats import V, assert_distributed_as_target
 from test_mlxlm_targets import FIXTURES as MLXLM, seeded
-from test_speculative import resample_from_target
 
 REFERENCE = MLXLM.parent / "assistant_reference"
 TARGET = MLXLM / "gemma4_text"
@@ -43,48 +40,16 @@ def test_drafts_are_transformers(target, name, monkeypatch):
     ref = np.load(REFERENCE / name / "reference.npz")
     drafter = make_drafter(f"assistant={REFERENCE / name}", target)
     assert isinstance(drafter, Assistant) and ("masked_embedding" in drafter.net) == (name == "e2b")
-    seen, logits = {}, []
-    propose, head = drafter.propose, AssistantNet.logits
+    logits, head = [], AssistantNet.logits
     monkeypatch.setattr(AssistantNet, "logits", lambda self, x: logits.append(head(self, x)) or logits[-1])
-
-    def spy(contexts, ks, params):
-        logits.clear()
-        drafts = propose(contexts, ks, params)
-        seen[len(contexts[0])] = (drafts[0].tokens.tolist(), np.stack([np.array(x[0, 0]) for x in logits]))
-        return drafts
-
-    drafter.propose = spy
-    prompt = ref["prompt"].tolist()
-    events = list(speculative_steps(target, prompt, GREEDY, len(ref["tokens"]), drafter, num_draft=3))
-    tokens = [t for e in events for t in e.tokens]
-    assert tokens == ref["tokens"].tolist() == [t for e in plain_steps(target, prompt, GREEDY, len(tokens))
-                                               for t in e.tokens]
-    n = len(prompt) + 1
-    for drafts, want in zip(ref["drafts"].tolist(), ref["logits"]):
-        if n - len(prompt) >= len(tokens) - 1:
-            break  # the last token is a plain round's
-        got, got_logits = seen[n]  # (the last rounds draft fewer: no more than the tokens left)
-        assert got == drafts[: len(got)] and len(got) >= 1
-        np.testing.assert_allclose(got_logits, want[: len(got)], atol=1e-3, rtol=0)  # float32 noise, three steps deep
-        n += next((i for i, (d, t) in enumerate(zip(drafts, tokens[n - len(prompt):])) if d != t), 3) + 1
+    assert_rounds_are(ref, target, drafter, 3, logits, lambda r: np.stack([np.array(x[0, 0]) for x in r]), atol=1e-3)  # float32 noise, three steps deep
 
 
 def test_a_batch_is_greedy_identical(target):
     """Rows of different lengths drafted together (each its own keys, window and position)."""
     prompts = [list(np.load(REFERENCE / "e2b" / "reference.npz")["prompt"][:n]) for n in (5, 11, 24)]
     drafter = make_drafter(f"assistant={REFERENCE / 'e2b'}", target)
-    decoder = Decoder(target, num_draft=3)
-    out = {b: [] for b in range(len(prompts))}
-    for b, prompt in enumerate(prompts):
-        decoder.add(b, [int(t) for t in prompt], GREEDY, 20, drafter)
-    drafted = 0
-    while not decoder.done:
-        for b, event in decoder.step().items():
-            out[b] += event.tokens
-            drafted += len(event.drafted)
-    assert drafted > 0
-    for b, prompt in enumerate(prompts):
-        assert out[b] == [t for e in plain_steps(target, [int(t) for t in prompt], GREEDY, 20) for t in e.tokens]
+    assert_batch_is_greedy_identical(target, drafter, [[int(t) for t in p] for p in prompts], 20, 3)
 
 
 def tiny_target(seed: int) -> WholeTarget:
@@ -116,12 +81,7 @@ def tiny_assistant(target: WholeTarget, seed: int) -> Assistant:
 def test_sampling_matches_the_targets_distribution(monkeypatch):
     """At temperature 1, drafts drawn from the centroid head's logits (half the vocabulary at its floor)."""
     target = tiny_target(0)
-    params = SamplingParams(temp=1.0)
-    make = lambda: tiny_assistant(target, 1)  # noqa: E731
-    p = exact_joint(target, STAT_PROMPT, params, 3)
-    assert empirical_tv(target, make, params, p) < tv_bound(p, N)
-    monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)  # a wrong rule fails it
-    assert told_apart(target, make, params, p)
+    assert_distributed_as_target(target, lambda: tiny_assistant(target, 1), monkeypatch)
 
 
 def test_published_assistant_found_alone(target, tmp_path, monkeypatch):

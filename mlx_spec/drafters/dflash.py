@@ -16,6 +16,18 @@ are all the drafter caches: each round adds the newly accepted tokens'.
 The weights are z-lab's, named as published (`fc`, `hidden_norm`,
 `layers.{i}.*`, `norm`); the embedding and LM head are the target's. A
 z-lab folder loads as it is.
+
+DFlash 2 (`DFlash2DraftModel`, z-lab/Qwen3.8-27B-DFlash2) wraps each layer's
+attention and MLP in a grouped dynamic causal convolution over the block
+(`out[i, c] = sum_t (base[t, c] + delta[i, t, group(c)]) * x[i - t, c]`, its
+taps never reaching before the anchor; `prepare` before the sublayer,
+`finish` after it, delta projected from the sublayer's normed input), and picks
+the chain with a candidate selector instead of each position's own best: from
+the anchor, left to right, the next token among its position's `selector_top_k`
+best scores `logit + <A[previous] * P h, B[candidate]>`. Sampling draws each
+step from the softmax of those scores at the temperature, and the acceptance
+rule reads exactly those distributions, so output keeps the target's; greedy
+takes the best path step by step.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_spec import hub
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, depth_tree, draw_rows,
                                     joined, padded)
@@ -35,7 +48,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
-from mlx_spec.models.load import load_folder
+from mlx_spec.models.load import load_folder, read_json
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams
 
@@ -67,8 +80,20 @@ def dflash_settings(config: dict, where: str) -> dict:
     if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
         raise UserError(f"{where}: sliding-window layers need 'sliding_window'")
     causal = extra.get("causal", config.get("is_causal"))
+    scaling = {k: float(extra.get(k, config.get(k)) or default) for k, default in SCALING.items()}
     return {"block_size": block, "mask_token_id": mask_id, "target_layer_ids": [int(i) for i in layers],
-            "layer_types": kinds, "sliding_window": window, "causal": causal}
+            "layer_types": kinds, "sliding_window": window, "causal": causal, **scaling}
+
+
+# What a DFlash 2 config adds (in dflash_config), and the scalings Gemma 4 and DFlash 2 drafts set
+# (a factor on the target's embedding, one on the logits, a tanh cap on them; 0 caps nothing).
+DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SCALING = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}
+
+
+def is_dflash2(config: dict) -> bool:
+    extra = config.get("dflash_config") or {}
+    return any("DFlash2" in str(a) for a in config.get("architectures") or []) or any(k in extra for k in DFLASH2)
 
 
 class DFlashNet(nn.Module):
@@ -124,18 +149,33 @@ class DFlashNet(nn.Module):
         if context is not None:
             self.read(context, cache, new)
         x = block
-        N = block.shape[1]
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            c = cache[i]
-            L = max(c.lengths)
-            q, kb, vb = layer.pre(x, c.offset, None)  # each row's block sits right after its context
-            keys = mx.concatenate([c.keys[..., :L, :], kb], axis=2) if L else kb
-            values = mx.concatenate([c.values[..., :L, :], vb], axis=2) if L else vb
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale,
-                                                       mask=self._mask(i, c.lengths, N))
-            x = layer.post(x, out)
+            x = self._layer(i, layer, x, cache[i])
         return self.norm(x)
+
+    def _layer(self, i: int, layer: DecoderLayer, x: mx.array, c: KVCache) -> mx.array:
+        return layer.post(x, self._attend(i, layer, layer.input_layernorm(x), c))
+
+    def _attend(self, i: int, layer: DecoderLayer, h: mx.array, c: KVCache) -> mx.array:
+        """Layer i's attention of the block's normed states `h` `[R, N, H]` over each row's context and the
+        block -> `[R, heads, N, D]`."""
+        L = max(c.lengths)
+        q, kb, vb = layer.self_attn.qkv(h, c.offset, None)  # each row's block sits right after its context
+        keys = mx.concatenate([c.keys[..., :L, :], kb], axis=2) if L else kb
+        values = mx.concatenate([c.values[..., :L, :], vb], axis=2) if L else vb
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=layer.self_attn.scale,
+                                                    mask=self._mask(i, c.lengths, h.shape[1]))
+
+    def logits(self, target: Model, h: mx.array) -> mx.array:
+        """The target's LM head on the block's states, scaled and capped as the config says."""
+        s = self.settings
+        logits = target.unembed(h)
+        if s["output_multiplier"] != 1:
+            logits = logits * s["output_multiplier"]
+        if s["final_logit_softcapping"]:
+            cap = s["final_logit_softcapping"]
+            logits = mx.tanh(logits / cap) * cap
+        return logits
 
     def read(self, context: mx.array, cache: list[KVCache], new: list[int] | None = None) -> None:
         """New context features `[R, S, F]` (row r's first `new[r]` real): every layer's keys and values of
@@ -151,9 +191,102 @@ class DFlashNet(nn.Module):
         return dict(tree_flatten(self.parameters()))
 
 
+class GroupedConv(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution over a block (see the module docstring)."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.group = group
+        self.base_kernel = mx.zeros((2, kernel, hidden))  # [prepare / finish, tap, channel]
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+
+    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """`x` `[R, N, H]` -> (x convolved, the taps `finish` applies `[R, N, kernel, groups]`)."""
+        taps = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.base_kernel.shape[1], -1)
+        return self._convolve(x, taps[..., 0, :, :], 0), taps[..., 1, :, :]
+
+    def finish(self, x: mx.array, taps: mx.array) -> mx.array:
+        return self._convolve(x, taps, 1)
+
+    def _convolve(self, x: mx.array, taps: mx.array, which: int) -> mx.array:
+        R, N, H = x.shape
+        x = x.reshape(R, N, -1, self.group)  # [R, N, groups, group]
+        out = mx.zeros_like(x)
+        for t in range(self.base_kernel.shape[1]):
+            behind = x if t == 0 else mx.concatenate([mx.zeros_like(x[:, :t]), x[:, :-t]], axis=1)  # x[i - t]
+            out = out + (self.base_kernel[which, t].reshape(1, 1, -1, self.group) + taps[:, :, t, :, None]) * behind
+        return out.reshape(R, N, H)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's choice of the chain among each position's best candidates (see the module docstring)."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def __call__(self, h: mx.array, logits: mx.array, anchor: mx.array, params: list[SamplingParams]
+                 ) -> tuple[mx.array, mx.array | None]:
+        """States `[R, K, H]`, logits `[R, K, V]`, anchors `[R]` -> the chains `[R, K]` and the distributions
+        they were drawn from `[R, K, V]` (None when every row is greedy)."""
+        candidates = mx.argpartition(logits, -self.top_k, axis=-1)[..., -self.top_k :]  # [R, K, k]
+        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        projected = self.hidden_projection(h)  # [R, K, rank]
+        greedy = mx.array([p.temp == 0 for p in params])
+        temp = mx.array([p.temp or 1.0 for p in params])[:, None]
+        previous, tokens, dists = anchor, [], []
+        for i in range(h.shape[1]):
+            edges = (self.predecessor_codebook(previous)[:, None] * projected[:, i, None]
+                     * self.successor_codebook(candidates[:, i])).sum(axis=-1)  # [R, k]
+            scores = unary[:, i] + edges
+            lq = scores / temp - mx.logsumexp(scores / temp, axis=-1, keepdims=True)
+            pick = mx.where(greedy, mx.argmax(scores, axis=-1), mx.random.categorical(lq))  # [R]
+            lq = mx.where(greedy[:, None], mx.log(mx.arange(self.top_k) == pick[:, None]), lq)
+            previous = mx.take_along_axis(candidates[:, i], pick[:, None], axis=-1)[:, 0]
+            tokens.append(previous)
+            dists.append(mx.put_along_axis(mx.full(logits[:, i].shape, -mx.inf), candidates[:, i], lq, axis=-1))
+        return mx.stack(tokens, axis=1), None if all(p.temp == 0 for p in params) else mx.stack(dists, axis=1)
+
+
+class DFlash2Net(DFlashNet):
+    """DFlash 2: DFlash's layers in convolutions, and a candidate selector."""
+
+    def __init__(self, config: dict, where: str = "config.json"):
+        super().__init__(config, where)
+        extra = config.get("dflash_config") or {}
+        kernel, group, rank, top_k = (extra.get(k, config.get(k)) for k in DFLASH2)
+        H, V = self.args.hidden_size, self.args.vocab_size
+        for name, value in (("conv_kernel_size", kernel), ("selector_rank", rank), ("selector_top_k", top_k)):
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"{where}: dflash_config.{name} must be a positive integer, got {value!r}")
+        if not isinstance(group, int) or group < 1 or H % group:
+            raise UserError(f"{where}: dflash_config.conv_group_size must divide hidden_size {H}, got {group!r}")
+        for layer in self.layers:
+            layer.attention_conv = GroupedConv(H, kernel, group)
+            layer.mlp_conv = GroupedConv(H, kernel, group)
+        self.candidate_selector = CandidateSelector(V, H, rank, min(top_k, V))
+
+    def _layer(self, i: int, layer: DecoderLayer, x: mx.array, c: KVCache) -> mx.array:
+        R, N, _ = x.shape
+        h, taps = layer.attention_conv.prepare(layer.input_layernorm(x))
+        out = self._attend(i, layer, h, c).transpose(0, 2, 1, 3).reshape(R, N, -1)
+        x = x + layer.attention_conv.finish(layer.self_attn.o_proj(out), taps)
+        h, taps = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
+        return x + layer.mlp_conv.finish(layer.mlp(h), taps)
+
+    def sanitize(self, weights: dict) -> dict:
+        """The selector's codebooks are stored bare (`candidate_selector.successor_codebook`)."""
+        books = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+        return {f"{k}.weight" if k in books else k: v for k, v in weights.items()}
+
+
 def load_dflash(path_or_repo: str, revision: str | None = None) -> tuple[DFlashNet, dict, Path]:
-    """A DFlash folder: z-lab's as published, or one `mlx-spec convert`/`train dflash` wrote."""
-    net, config, path = load_folder(path_or_repo, revision, DFlashNet)
+    """A DFlash folder: z-lab's as published (DFlash or DFlash 2), or one `mlx-spec convert`/`train dflash` wrote."""
+    config = read_json(hub.resolve(path_or_repo, revision) / "config.json")
+    net, config, path = load_folder(path_or_repo, revision, DFlash2Net if is_dflash2(config) else DFlashNet)
     return net, config, path
 
 
@@ -173,6 +306,8 @@ def check_dflash_fits(net: DFlashNet, target: Model, what: str) -> None:
         raise UserError(f"{what}: drafter hidden size {net.args.hidden_size}, the target's is {t.hidden_size}")
     if not 0 <= s["mask_token_id"] < t.vocab_size:
         raise UserError(f"{what}: mask_token_id {s['mask_token_id']} is outside the target's embedding (0..{t.vocab_size - 1})")
+    if "candidate_selector" in net and net.args.vocab_size != t.vocab_size:
+        raise UserError(f"{what}: its candidate selector knows {net.args.vocab_size} tokens, the target {t.vocab_size}")
 
 
 def dflash_config(target: Model, num_layers: int, block_size: int, mask_token_id: int,
@@ -245,14 +380,21 @@ class DFlash(RowStates):
         ctx, new = self._pending()
         N = self.block_size
         ks = [min(k, N - 1) for k in ks]
-        mask_id = self.net.settings["mask_token_id"]
-        block = mx.array([[c[-1]] + [mask_id] * (N - 1) for c in contexts])  # [R, N]: the anchor, then masks
+        s = self.net.settings
+        anchors = mx.array([c[-1] for c in contexts])
+        block = mx.concatenate([anchors[:, None], mx.full((len(ks), N - 1), s["mask_token_id"])], axis=1)  # [R, N]
+        embedded = self.target.embed(block)
+        if s["input_embedding_scale"] != 1:
+            embedded = embedded * s["input_embedding_scale"]
         # The context holds every token before the anchor (none for a one-token prompt).
-        h = self.net(self.target.model.embed_tokens(block), ctx, self.cache, new)
+        h = self.net(embedded, ctx, self.cache, new)
         K = max(ks)
         if K == 0:
             return [EMPTY() for _ in ks]
-        logits = self.target.unembed(h[:, 1 : 1 + K])  # [R, K, V]: position i + 1 drafts token i
+        h = h[:, 1 : 1 + K]  # [R, K, H]: position i + 1 drafts token i
+        logits = self.net.logits(self.target, h)  # [R, K, V]
+        if "candidate_selector" in self.net:
+            return Draft.rows(*self.net.candidate_selector(h, logits, anchors, params), ks)
         if self.budget is not None:
             return [depth_tree(logits[b], k, budget=self.budget) if k else EMPTY() for b, k in enumerate(ks)]
         # Each position is drawn from its own distribution: p_i does not depend on the earlier drafts.
@@ -266,6 +408,9 @@ def build(target: Model, o: Options) -> DFlash:
                         "published for --model)")
     net, _, _ = load_dflash(o.source, o.revision)
     check_dflash_fits(net, target, f"--drafter {o.spec}")
+    if o.tree_budget is not None and "candidate_selector" in net:
+        raise UserError(f"--drafter {o.spec}: a DFlash 2 drafter's candidate selector drafts a chain; "
+                        "give no --tree-budget")
     return DFlash(net, target, o.tree_budget, o.block_size)
 
 
@@ -301,6 +446,7 @@ PUBLISHED = {
     "Qwen/Qwen3.5-397B-A17B": ("z-lab/Qwen3.5-397B-A17B-DFlash",),
     "Qwen/Qwen3.6-27B": ("z-lab/Qwen3.6-27B-DFlash",),
     "Qwen/Qwen3.6-35B-A3B": ("z-lab/Qwen3.6-35B-A3B-DFlash",),
+    "Qwen/Qwen3.8-27B": ("z-lab/Qwen3.8-27B-DFlash2",),
     "moonshotai/Kimi-K2.5": ("z-lab/Kimi-K2.5-DFlash",),
     "google/gemma-4-31B-it": ("z-lab/gemma-4-31B-it-DFlash",),
     "google/gemma-4-26B-A4B-it": ("z-lab/gemma-4-26B-A4B-it-DFlash",),
