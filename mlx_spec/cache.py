@@ -157,6 +157,18 @@ class KVCache(_Rows):
             )
         self.lengths += other.lengths
 
+    def row(self, b: int) -> KVCache:
+        """Row b alone, a cache of its own (the batch's buffer untouched: a later write there makes a new one)."""
+        one = KVCache(1, self.step)
+        if self.keys is not None:
+            one.keys, one.values = self.keys[b : b + 1], self.values[b : b + 1]
+        one.lengths = [self.lengths[b]]
+        return one
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
     def remove(self, b: int) -> None:
         """Row b leaves the batch."""
         keep = [i for i in range(self.rows) if i != b]
@@ -304,6 +316,21 @@ class RecurrentCache(_Rows):
                 self.arrays[i] = mx.concatenate([mine, theirs])
         self.lengths += other.lengths
         self.tape = []
+
+    def row(self, b: int) -> RecurrentCache:
+        """Row b alone, a cache of its own: its window and state after its tokens, with no tape (it
+        cannot be cut back)."""
+        self.settle()
+        one = RecurrentCache(1)
+        for i in range(2):
+            if self.arrays[i] is not None:
+                one.arrays[i] = self.arrays[i][b : b + 1]
+        one.lengths = [self.lengths[b]]
+        return one
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
 
     def remove(self, b: int) -> None:
         self.settle()

@@ -163,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               args.max_tokens, args.timeout, drafter_revision=args.drafter_revision, extra_eos=args.extra_eos_token,
               adapter_path=args.adapter_path, system=args.system,
               template_args=thinking_args(args.think, template_args_of(args)), read_timeout=args.read_timeout,
-              exact=args.exact)
+              exact=args.exact, prompt_cache_bytes=args.prompt_cache_bytes)
     except KeyboardInterrupt:
         pass
     return 0
@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_exact_arg(sv)
     sv.add_argument("--max-queue", type=integer(1), default=64, help="requests waiting beyond the batch (then 503)")
     sv.add_argument("--max-tokens", type=integer(1), default=4096, help="the most a request may ask for")
+    sv.add_argument("--prompt-cache-bytes", type=integer(0, 2**62), default=None, metavar="BYTES",
+                    help="keep what requests leave in the cache, for the next that begins the same way, up to "
+                         "this many bytes (default: an eighth of the machine's memory; 0: none)")
     sv.add_argument("--timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=600.0,
                     help="seconds a request may take")
     sv.add_argument("--read-timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=READ_TIMEOUT,

@@ -61,6 +61,7 @@ class Row:
     slot: int = 0  # its row in the drafter
     produced: int = 0
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    cached: int = 0  # prompt tokens whose keys and values it started with (not read by its prefill)
 
 
 class Decoder:
@@ -87,15 +88,21 @@ class Decoder:
         return all(r.produced >= r.max_tokens for r in self.rows)
 
     def add(self, key, prompt: list[int], params: SamplingParams, max_tokens: int,
-            drafter: Drafter | None = None, logprobs: int | None = None) -> None:
+            drafter: Drafter | None = None, logprobs: int | None = None,
+            start: tuple[list, Drafter | None] | None = None) -> None:
         """A new row. With a kept cache, the first row keeps what the drafter's own state still matches (a chat's
-        earlier turns), and a drafter's one row is continued; with `logprobs`, its events carry log-probabilities."""
+        earlier turns), and a drafter's one row is continued; with `logprobs`, its events carry log-probabilities.
+        `start`: a one-row cache holding the prompt's first tokens and the drafter's one-row session that
+        followed them (`snapshot`'s, from the server's prompt cache; None: a new one), the prompt read from there."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if drafter is not None and drafter.one_row and self.rows:
             raise UserError(f"the {drafter.kind} drafter drafts into the target's own cache: one sequence at a time")
         self._unqueue()
-        single, cached = (self.cache, self.cache[0].lengths[0]) if self.continues else (self.model.make_cache(), 0)
+        single, session = start if start is not None else (None, None)
+        if single is None:
+            single = self.cache if self.continues else self.model.make_cache()
+        cached = single[0].lengths[0] if start is not None or self.continues else 0
         if cached >= len(prompt):
             raise ValueError(f"the cache holds {cached} tokens, the prompt has only {len(prompt)}")
         context = list(prompt)
@@ -106,10 +113,13 @@ class Decoder:
                 raise ValueError("a drafter's rows belong to one decoder")
             # A drafter that runs a model reads the prompt now, with the target's prefill; a row joining others
             # does so in a drafter of its own, then joins them (in a round, every row's forward would be padded
-            # to its prompt).
-            own = drafter.new_session() if users and drafter.costly else drafter
-            if own is not drafter or drafter.rows == users:
-                own.add()
+            # to its prompt). A stored session joins as it is.
+            if session is not None and drafter.rows == users:
+                own = session
+            else:
+                own = drafter.new_session() if users and drafter.costly else drafter
+                if own is not drafter or drafter.rows == users:
+                    own.add()
             slot = own.rows - 1
             own.bind(single)
             kept = own.restart(slot, context, cached)
@@ -134,7 +144,20 @@ class Decoder:
         if drafter is not None:
             drafter.bind(self.cache)
         self.rows.append(Row(key, context, params, max_tokens, drafter, drafter.rows - 1 if drafter else 0,
-                             logprobs=logprobs))
+                             logprobs=logprobs, cached=cached))
+
+    def snapshot(self, key) -> tuple[list[int], list, Drafter | None]:
+        """Row `key` as it stands: the tokens its cache holds, a copy of that cache as one row of its own,
+        and its drafter's row as a one-row session (None: no drafter, or one that cannot hand its row
+        over); what `add(start=...)` takes for a later prompt that begins with those tokens."""
+        self._unqueue()
+        b = next(i for i, r in enumerate(self.rows) if r.key == key)
+        row, drafter = self.rows[b], self.rows[b].drafter
+        n = self.cache[0].lengths[b]
+        if drafter is not None and drafter.costly:  # it reads the features it was sent, to hand them over read
+            drafter.catch_up([r.context for r in sorted(self.rows, key=lambda r: r.slot) if r.drafter is drafter])
+        session = drafter.split(row.slot) if drafter is not None else None
+        return row.context[:n], [c.row(b) for c in self.cache], session
 
     def remove(self, key) -> None:
         self._unqueue()

@@ -200,6 +200,12 @@ class Drafter(ABC):
     def bind(self, cache: list) -> None:
         """The target's KV cache (self-speculation drafts into it)."""
 
+    def split(self, b: int) -> "Drafter | None":
+        """Row b's state, copied into a one-row session of this drafter's (this one unchanged), for a
+        later sequence that starts with the same tokens (the server's prompt cache): it joins a batch
+        through `Decoder.add`. None where the drafter cannot (a new session then reads the tokens anew)."""
+        return None
+
     def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...]
                        ) -> tuple[mx.array, tuple[mx.array, ...]]:
         """The target's verification forward over a chain -> (logits, the hidden
@@ -282,6 +288,14 @@ class RowStates(Drafter):
         for name in self.new_row():
             del getattr(self, name)[b]
 
+    def split(self, b: int) -> RowStates:
+        session = self.new_session()
+        for mine, theirs in zip(session.caches, self.caches):
+            mine.extend(theirs.row(b))
+        for name in self.new_row():
+            getattr(session, name).append(_copied(getattr(self, name)[b]))
+        return session
+
     def join(self, other: RowStates) -> None:
         """`other`'s one row (a session that read its prompt alone) becomes this drafter's last row."""
         for c, o in zip(self.caches, other.caches):
@@ -301,6 +315,16 @@ class HostDrafter(RowStates):
     @abstractmethod
     def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
         """Up to `k` tokens to follow row b's `context`."""
+
+
+def _copied(value):
+    """A row's state as a structure of its own: lists, tuples and dicts copied all the way down (the
+    drafter changes them in place); arrays and numbers shared (never changed in place)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def EMPTY() -> Draft:

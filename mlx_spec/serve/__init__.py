@@ -1,7 +1,9 @@
 """`mlx-spec serve`: an OpenAI-compatible server with batched speculative decoding.
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both with
-`"stream": true` as server-sent events), `GET /v1/models`, `GET /health`.
+`"stream": true` as server-sent events), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus). A prompt cache keeps what each request leaves in
+the target's cache for the next one that begins alike (`mlx_spec.prefix`).
 
 The package in four layers, each a module:
 - `http`: the transport (the standard library's threaded server, timeouts, SSE, clients that go away);
@@ -24,6 +26,7 @@ import mlx.core as mx
 
 from mlx_spec import distributed
 from mlx_spec.errors import UserError
+from mlx_spec.prefix import PrefixCache, default_bytes
 from mlx_spec.serve.engine import BatchEngine, log
 from mlx_spec.serve.http import READ_TIMEOUT, Server, Site, handler_for
 from mlx_spec.serve.openai import Defaults
@@ -33,7 +36,7 @@ __all__ = ["READ_TIMEOUT", "serve"]
 
 def _engine(model_name: str, drafter_spec: str, revision: str | None, drafter_revision: str | None,
             extra_eos: Sequence[str], adapter_path: str | None, exact: bool, max_batch: int,
-            max_queue: int) -> BatchEngine:
+            max_queue: int, prompt_cache_bytes: int | None = None) -> BatchEngine:
     """The model and drafter loaded, and the engine that decodes with them running."""
     from mlx_spec import api
 
@@ -44,14 +47,19 @@ def _engine(model_name: str, drafter_spec: str, revision: str | None, drafter_re
         raise UserError(f"--drafter {drafter_spec}: it drafts into the target's own cache and decodes one "
                         "sequence at a time; serve another drafter")
     width = api.exact_width(target, [drafter]) if exact else None
-    return BatchEngine(target.model, target.tokenizer, drafter, max_batch, max_queue, width)
+    bound = default_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
+    if distributed.active():  # each rank holds its own share of an entry: their bytes, and so evictions, differ
+        bound = 0
+    return BatchEngine(target.model, target.tokenizer, drafter, max_batch, max_queue, width,
+                       PrefixCache(bound) if bound else None, drafter_spec)
 
 
 def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: str | None = None,
           max_batch: int = 16, max_queue: int = 64, max_tokens: int = 4096, timeout: float = 600.0,
           ready: threading.Event | None = None, servers: list | None = None, *, drafter_revision: str | None = None,
           extra_eos: Sequence[str] = (), adapter_path: str | None = None, system: str = "",
-          template_args: dict | None = None, read_timeout: float = READ_TIMEOUT, exact: bool = False) -> None:
+          template_args: dict | None = None, read_timeout: float = READ_TIMEOUT, exact: bool = False,
+          prompt_cache_bytes: int | None = None) -> None:
     """Load the model and drafter, then serve until SIGINT or SIGTERM (or `shutdown()` of the server
     appended to `servers`). `system` and `template_args` are what a request gets where it says nothing
     else (a system message first; the chat template's arguments under the request's own). `exact`:

@@ -26,9 +26,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_spec import distributed
+from mlx_spec.cache import RecurrentCache
 from mlx_spec.metrics import Metrics, TokenLogprob
+from mlx_spec.prefix import PrefixCache
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.serve.openai import BadRequest, Request
+from mlx_spec.serve.prometheus import ServerStats
 from mlx_spec.worker import Worker
 
 
@@ -45,6 +48,8 @@ class InFlight:
         self.logprobs: list[tuple[int, TokenLogprob]] = []  # (where its text starts in `text`, the token's)
         self.given = 0  # entries of `logprobs` sent
         self.metrics = Metrics()
+        self.cached = 0  # prompt tokens the prompt cache held
+        self.started = time.perf_counter()  # when its decoding began (after its prefill)
 
     def feed(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> str | None:
         """Add tokens (with their log-probabilities, if asked for); the finish reason when this request is done."""
@@ -83,7 +88,8 @@ class InFlight:
         self.request.out.put(("done", {
             "finish_reason": reason,
             "usage": {"prompt_tokens": len(self.request.prompt), "completion_tokens": self.tokens,
-                      "total_tokens": len(self.request.prompt) + self.tokens},
+                      "total_tokens": len(self.request.prompt) + self.tokens,
+                      "prompt_tokens_details": {"cached_tokens": self.cached}},
             "mlx_spec": {"tau": m.tau, "acceptance_by_position": m.acceptance_by_position,
                          "target_forwards": m.steps, "drafted_tokens": m.drafted, "accepted_tokens": m.accepted,
                          "timed_out": timed_out},
@@ -139,14 +145,17 @@ class BatchEngine(Worker):
     """The MLX thread of the server: admits requests, steps the batch, answers. Under --shard every rank
     runs one, rank 0's planning each round for all (`Plan`)."""
 
-    def __init__(self, model, tokenizer, drafter, max_batch: int, max_queue: int, width: int | None = None):
+    def __init__(self, model, tokenizer, drafter, max_batch: int, max_queue: int, width: int | None = None,
+                 prompt_cache: PrefixCache | None = None, drafter_name: str = "none"):
         from mlx_spec.decoding import Decoder
 
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter  # one drafter: a row per request
+        self.prompt_cache = prompt_cache
+        self.stats = ServerStats(drafter_name)
         self.max_batch = max_batch
         self.waiting: queue.Queue = queue.Queue(max_queue)
         self.width = width  # exact verification: each row a forward of its own, this wide
-        self.decoder = Decoder(model, width=width)
+        self.decoder = Decoder(model, width=width, keep_finished=True)  # a row leaves at `_end` (its cache kept)
         self.running: dict[str, InFlight] = {}
         self.stopping = False
         self.digest = 0  # `Plan.digest`
@@ -202,16 +211,33 @@ class BatchEngine(Worker):
             if request.seed is not None:
                 mx.random.seed(request.seed)
             flight = InFlight(request, self.tokenizer)
+            tic = time.perf_counter()
+            found = self.prompt_cache.lookup(request.prompt, self.model.make_cache) if self.prompt_cache else None
             self.decoder.add(request.id, request.prompt, request.params, request.max_tokens, self.drafter,
-                             logprobs=request.logprobs)
+                             logprobs=request.logprobs, start=found[1:] if found else None)
+            flight.cached = self.decoder.rows[-1].cached
+            flight.started = time.perf_counter()
+            self.stats.joined(len(request.prompt), flight.cached, flight.started - tic)
             self.running[request.id] = flight
+            if self.prompt_cache and any(isinstance(c, RecurrentCache) for c in self.decoder.cache):
+                self._keep(request.id)  # where the prompt ends: what the next turn contains whole
         except Exception as e:
             self._fail(request, e)
+
+    def _keep(self, key: str) -> None:
+        """Row `key`'s cache and drafter row into the prompt cache (a failure there costs only the entry)."""
+        try:
+            self.prompt_cache.store(*self.decoder.snapshot(key))
+        except Exception as e:
+            log(f"request {key}: its prompt cache entry was not kept ({one_line(e)})")
 
     def _end(self, key: str, reason: str, timed_out: bool = False) -> None:
         flight = self.running.pop(key)
         if any(r.key == key for r in self.decoder.rows):
+            if self.prompt_cache is not None:
+                self._keep(key)
             self.decoder.remove(key)
+        self.stats.ended_with(reason, flight.tokens, time.perf_counter() - flight.started, flight.metrics)
         flight.finish(reason, timed_out)
 
     def _answer(self, key: str, event) -> None:
@@ -268,6 +294,7 @@ class BatchEngine(Worker):
         and drafter are left consistent, and starts anew where they are not."""
         log(f"request {request.id} failed: {one_line(error)}")
         self.running.pop(request.id, None)
+        self.stats.ended_with("error")
         request.out.put(("error", f"the server failed on this request ({one_line(error)})", 500))
         try:
             if any(r.key == request.id for r in self.decoder.rows):
@@ -295,5 +322,6 @@ class BatchEngine(Worker):
         for key in list(self.running):
             message = f"the server failed on this batch ({one_line(error)})"
             self.running.pop(key).request.out.put(("error", message, 500))
-        self.decoder = type(self.decoder)(self.model, width=self.width)
+            self.stats.ended_with("error")
+        self.decoder = type(self.decoder)(self.model, width=self.width, keep_finished=True)
         self.drafter = self.drafter.new_session() if self.drafter is not None else None

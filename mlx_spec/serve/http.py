@@ -42,7 +42,8 @@ class Site:
     defaults: Defaults = field(default_factory=Defaults)
 
     def parse(self, body, chat: bool) -> Request:
-        return parse_request(body, chat, self.tokenizer, self.context, self.max_tokens, self.timeout, self.defaults)
+        return parse_request(body, chat, self.tokenizer, self.context, self.max_tokens, self.timeout, self.defaults,
+                             self.engine.model.args.vocab_size)
 
 
 def handler_for(site: Site, read_timeout: float = READ_TIMEOUT) -> type[BaseHTTPRequestHandler]:
@@ -80,6 +81,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._json(200, {"status": "ok"})
+        elif self.path == "/metrics":
+            engine = self.site.engine
+            text = engine.stats.render(len(engine.running), engine.waiting.qsize(), engine.prompt_cache).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [
                 {"id": self.site.model_name, "object": "model", "created": 0, "owned_by": "mlx-spec"}]})

@@ -207,8 +207,9 @@ class Defaults:
 
 
 def parse_request(body, chat: bool, tokenizer, context: int, max_tokens_limit: int, timeout: float,
-                  defaults: Defaults = Defaults()) -> Request:
-    """A request body checked field by field; a `BadRequest` names the field."""
+                  defaults: Defaults = Defaults(), vocab: int = 0) -> Request:
+    """A request body checked field by field; a `BadRequest` names the field. A completion's prompt
+    is text, or token ids (below `vocab`), as OpenAI's API takes it."""
     from mlx_spec.tokenizer import encode_prompt, render_chat
 
     if not isinstance(body, dict):
@@ -234,9 +235,12 @@ def parse_request(body, chat: bool, tokenizer, context: int, max_tokens_limit: i
                              .splitlines()[0]) from None
     else:
         text = body.get("prompt")
-        if not isinstance(text, str) or not text:
-            raise BadRequest("'prompt' must be a non-empty string")
-        prompt = encode_prompt(tokenizer, text, chat_template=False)
+        if isinstance(text, list) and text and all(type(t) is int and 0 <= t < vocab for t in text):
+            prompt = list(text)
+        elif isinstance(text, str) and text:
+            prompt = encode_prompt(tokenizer, text, chat_template=False)
+        else:
+            raise BadRequest(f"'prompt' must be a non-empty string, or a list of token ids (0..{vocab - 1})")
     newer = body.get("max_tokens") is None and "max_completion_tokens" in body  # what newer OpenAI clients send
     name = "max_completion_tokens" if newer else "max_tokens"
     max_tokens = _number(body, name, 256, 1, max_tokens_limit, integer=True)

@@ -1,0 +1,88 @@
+"""The server's prompt cache (mlx_spec/prefix.py): a conversation's next turn reads only its new tokens,
+its answer the one the prompt gets read anew; for a chain drafter (a draft model), a drafter reading
+the target's features (EAGLE-3) and a hybrid target (Qwen3.5's linear-attention layers); the usage and
+`/metrics` say how many tokens were read."""
+
+import contextlib
+import json
+import re
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+
+from mlx_spec import api
+from mlx_spec.decoding import plain_steps
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.serve import serve
+
+from test_mlxlm_targets import FIXTURES
+from tiny import make_tokenizer
+
+
+@contextlib.contextmanager
+def served(model: str, drafter: str, **options):
+    ready, servers = threading.Event(), []
+    threading.Thread(target=serve, args=(model, drafter, "127.0.0.1", 0),
+                     kwargs=dict(max_batch=4, ready=ready, servers=servers, **options), daemon=True).start()
+    assert ready.wait(120)
+    try:
+        yield f"http://127.0.0.1:{servers[0].server_port}"
+    finally:
+        servers[0].shutdown()
+
+
+def complete(url: str, prompt: list[int], n: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": n}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
+
+
+def answer(target, prompt: list[int], n: int) -> tuple[list[int], int]:
+    """Plain greedy decoding's answer to `prompt` alone (its tokens, as the server cuts it at the end of
+    text), and how many of the tokens its decoding leaves in the cache are its prompt and answer (all but
+    the last token, which it has not read, unless the end of text came first)."""
+    tokens = [t for e in plain_steps(target.model, prompt, SamplingParams(), n) for t in e.tokens]
+    eos = next((i for i, t in enumerate(tokens) if t in target.tokenizer.eos_token_ids), None)
+    kept = tokens if eos is None else tokens[:eos]
+    return kept, len(prompt) + len(kept) - (eos is None)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """The Qwen3.5 fixture (Gated DeltaNet layers beside attention) with a tokenizer beside it."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("hybrid") / "qwen3_5"
+    shutil.copytree(FIXTURES / "qwen3_5", folder)
+    make_tokenizer(folder, 256)
+    return str(folder)
+
+
+@pytest.mark.parametrize("case", ["draft model", "eagle3", "hybrid"])
+def test_the_next_turn_reads_only_its_new_tokens(case, hybrid):
+    model, drafter = {"draft model": ("demo", "draft"), "eagle3": ("demo", "eagle3"), "hybrid": (hybrid, "lookup")}[case]
+    target = api.load(model)
+    rng = np.random.default_rng(0)
+    first = [int(t) for t in rng.integers(5, 250, 48)]
+    kept, held = answer(target, first, 8)
+    second = first + kept + [int(t) for t in rng.integers(5, 250, 12)]  # the answer, then the next message
+    with served(model, drafter, prompt_cache_bytes=0) as url:  # each prompt read anew
+        anew = [complete(url, prompt, 8)["choices"][0]["text"] for prompt in (first, second)]
+    with served(model, drafter) as url:
+        one, two = complete(url, first, 8), complete(url, second, 8)
+        assert [one["choices"][0]["text"], two["choices"][0]["text"]] == anew
+        assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        usage = two["usage"]
+        assert usage["prompt_tokens"] == len(second) and usage["prompt_tokens_details"]["cached_tokens"] == held
+        assert metric(url, "mlx_spec_prompt_tokens_cached_total") == held
+        assert metric(url, "mlx_spec_prompt_tokens_total") == len(first) + len(second)
+        assert metric(url, "mlx_spec_prompt_cache_hits_total") == 1
