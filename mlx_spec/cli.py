@@ -163,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               args.max_tokens, args.timeout, drafter_revision=args.drafter_revision, extra_eos=args.extra_eos_token,
               adapter_path=args.adapter_path, system=args.system,
               template_args=thinking_args(args.think, template_args_of(args)), read_timeout=args.read_timeout,
-              exact=args.exact, prompt_cache_bytes=args.prompt_cache_bytes)
+              exact=args.exact, prompt_cache_bytes=args.prompt_cache_bytes, prompt_cache_dir=args.prompt_cache_dir)
     except KeyboardInterrupt:
         pass
     return 0
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=integer(0), default=0, metavar="N",
                    help="the first N prompts of each suite or file")
     b.add_argument("--max-tokens", type=integer(2), default=128)
+    b.add_argument("--context", type=integer(0), default=0, metavar="N",
+                   help="each prompt after a long file to edit, about N tokens in all (speed at long contexts)")
     b.add_argument("--repeats", "--runs", type=integer(1), default=3, help="rounds over every prompt and method")
     b.add_argument("--temps", type=real(0), nargs="+", default=[0.0], help="temperatures to measure")
     b.add_argument("--no-chat-template", action="store_true", help="feed the prompts as raw text")
@@ -269,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prompt-cache-bytes", type=integer(0, 2**62), default=None, metavar="BYTES",
                     help="keep what requests leave in the cache, for the next that begins the same way, up to "
                          "this many bytes (default: an eighth of the machine's memory; 0: none)")
+    sv.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                    help="keep the prompt cache's entries in DIR too, for the next start")
     sv.add_argument("--timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=600.0,
                     help="seconds a request may take")
     sv.add_argument("--read-timeout", type=real(0, threading.TIMEOUT_MAX, above=True), default=READ_TIMEOUT,

@@ -86,3 +86,75 @@ def test_the_next_turn_reads_only_its_new_tokens(case, hybrid):
         assert metric(url, "mlx_spec_prompt_tokens_cached_total") == held
         assert metric(url, "mlx_spec_prompt_tokens_total") == len(first) + len(second)
         assert metric(url, "mlx_spec_prompt_cache_hits_total") == 1
+
+
+def test_entries_on_disk_serve_the_next_start(tmp_path):
+    """A conversation's next turn, sent after a restart, reads only its new tokens from the entry the first
+    turn left in --prompt-cache-dir; the answer is the one read anew."""
+    target = api.load("demo")
+    rng = np.random.default_rng(1)
+    first = [int(t) for t in rng.integers(5, 250, 40)]
+    kept, held = answer(target, first, 8)
+    second = first + kept + [int(t) for t in rng.integers(5, 250, 10)]
+    with served("demo", "lookup", prompt_cache_bytes=0) as url:
+        anew = complete(url, second, 8)["choices"][0]["text"]
+    with served("demo", "lookup", prompt_cache_dir=str(tmp_path)) as url:
+        complete(url, first, 8)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    with served("demo", "lookup", prompt_cache_dir=str(tmp_path)) as url:
+        two = complete(url, second, 8)
+    assert two["choices"][0]["text"] == anew and two["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+
+
+WRITER = """
+import os, signal, sys
+import mlx_spec
+import mlx.core as mx
+from mlx_spec import prefix
+from mlx_spec.cache import KVCache
+
+cache = KVCache()
+cache.update_and_fetch(mx.ones((1, 2, 6, 4)), mx.ones((1, 2, 6, 4)))
+store = prefix.PrefixCache(1 << 20, sys.argv[1], model="m")
+if sys.argv[2] == "kill":  # killed between writing the entry's file and naming it
+    os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+store.store(list(range(6)), [cache], None)
+"""
+
+
+def test_a_kill_mid_write_and_broken_entries_are_ignored(tmp_path, capfd):
+    """A server killed (-9) while writing an entry leaves a temporary file, which the next start removes;
+    an entry cut short, one whose bytes changed and another model's are ignored with a warning; a whole
+    one still serves."""
+    import subprocess
+    import sys
+
+    from mlx_spec.cache import KVCache
+    from mlx_spec.prefix import PrefixCache
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    assert subprocess.run([sys.executable, "-c", WRITER, str(good), "keep"]).returncode == 0
+    killed = subprocess.run([sys.executable, "-c", WRITER, str(bad), "kill"])
+    assert killed.returncode == -9 and [p.name[:9] for p in bad.iterdir()] == [".writing-"]
+    whole = next(good.glob("*.safetensors"))
+    data = whole.read_bytes()
+    (bad / "short.safetensors").write_bytes(data[:-10])
+    (bad / "changed.safetensors").write_bytes(data[:-4] + bytes(4))
+    capfd.readouterr()
+    store = PrefixCache(1 << 20, bad, model="m")
+    assert not list(bad.glob(".writing-*")) and "half written" in capfd.readouterr().err
+    assert sorted(p.name for p in store.files) == ["changed.safetensors"]  # (whole: its checksum is read on use)
+    assert store.lookup(list(range(8)), lambda: [KVCache()]) is None
+    err = capfd.readouterr().err
+    assert "changed.safetensors: ignored (ValueError: its checksum does not match)" in err
+    (bad / "good.safetensors").write_bytes(data)
+    assert "another model" in (PrefixCache(1 << 20, bad, model="other"), capfd.readouterr().err)[1]
+    n, cache, session = PrefixCache(1 << 20, bad, model="m").lookup(list(range(8)), lambda: [KVCache()])
+    assert n == 6 and cache[0].lengths == [6] and session is None
+    assert mx_equal(cache[0].keys[..., :6, :], 1.0)
+
+
+def mx_equal(array, value) -> bool:
+    import mlx.core as mx
+
+    return bool(mx.all(array == value))

@@ -70,7 +70,8 @@ def load_prompts(args: argparse.Namespace, tokenizer, template_args: dict | None
 
     template_args = thinking_args(args.think, template_args)
     if not args.prompts:
-        return [encode_prompt(tokenizer, args.prompt, not args.no_chat_template, template_args)]
+        text = with_file(tokenizer, args.prompt, args.context) if args.context else args.prompt
+        return [encode_prompt(tokenizer, text, not args.no_chat_template, template_args)]
     prompts = []
     for name in args.prompts.split(","):
         path = SUITES / f"{name}.jsonl" if (SUITES / f"{name}.jsonl").is_file() else Path(name)
@@ -83,8 +84,24 @@ def load_prompts(args: argparse.Namespace, tokenizer, template_args: dict | None
             chat = row.get("chat_template", True)
             if not isinstance(chat, bool):
                 raise UserError(f"{path}:{n}: 'chat_template' must be true or false")
-            prompts.append(encode_prompt(tokenizer, row["prompt"], chat and not args.no_chat_template, template_args))
+            text = row["prompt"]
+            if args.context:
+                text = with_file(tokenizer, text, args.context)
+            prompts.append(encode_prompt(tokenizer, text, chat and not args.no_chat_template, template_args))
     return prompts
+
+
+def with_file(tokenizer, prompt: str, context: int) -> str:
+    """`prompt` after a long file to edit (Python's own standard library source, the same everywhere a
+    Python of one version runs), cut so that the two come to about `context` tokens."""
+    room = context - len(tokenizer.encode(prompt)) - 16  # (the frame's words and the chat template)
+    if room <= 0:
+        raise UserError(f"--context {context}: a prompt alone is longer")
+    text = Path(argparse.__file__).read_text()  # (any long module of the standard library)
+    while len(tokenizer.encode(text)) < room:
+        text += "\n" + text
+    file = tokenizer.decode(tokenizer.encode(text)[:room])
+    return f"Here is a file of Python's standard library:\n\n{file}\n\nAbout it: {prompt}"
 
 
 def _mlx_lm_events(tokens: Iterator[tuple[int, bool]]) -> Iterator[StepEvent]:

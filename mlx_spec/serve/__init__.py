@@ -20,6 +20,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ import mlx.core as mx
 from mlx_spec import distributed
 from mlx_spec.errors import UserError
 from mlx_spec.prefix import PrefixCache, default_bytes
+from mlx_spec.weights import checkpoint_digest
 from mlx_spec.serve.engine import BatchEngine, log
 from mlx_spec.serve.http import READ_TIMEOUT, Server, Site, handler_for
 from mlx_spec.serve.openai import Defaults
@@ -36,7 +38,7 @@ __all__ = ["READ_TIMEOUT", "serve"]
 
 def _engine(model_name: str, drafter_spec: str, revision: str | None, drafter_revision: str | None,
             extra_eos: Sequence[str], adapter_path: str | None, exact: bool, max_batch: int,
-            max_queue: int, prompt_cache_bytes: int | None = None) -> BatchEngine:
+            max_queue: int, prompt_cache_bytes: int | None = None, prompt_cache_dir: str | None = None) -> BatchEngine:
     """The model and drafter loaded, and the engine that decodes with them running."""
     from mlx_spec import api
 
@@ -50,8 +52,11 @@ def _engine(model_name: str, drafter_spec: str, revision: str | None, drafter_re
     bound = default_bytes() if prompt_cache_bytes is None else prompt_cache_bytes
     if distributed.active():  # each rank holds its own share of an entry: their bytes, and so evictions, differ
         bound = 0
-    return BatchEngine(target.model, target.tokenizer, drafter, max_batch, max_queue, width,
-                       PrefixCache(bound) if bound else None, drafter_spec)
+    cache = None
+    if bound:  # entries on disk are of this checkpoint (and adapters) only
+        model = checkpoint_digest(target.path).hex() + (f" {Path(adapter_path).resolve()}" if adapter_path else "")
+        cache = PrefixCache(bound, prompt_cache_dir, model)
+    return BatchEngine(target.model, target.tokenizer, drafter, max_batch, max_queue, width, cache, drafter_spec)
 
 
 def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: str | None = None,
@@ -59,13 +64,15 @@ def serve(model_name: str, drafter_spec: str, host: str, port: int, revision: st
           ready: threading.Event | None = None, servers: list | None = None, *, drafter_revision: str | None = None,
           extra_eos: Sequence[str] = (), adapter_path: str | None = None, system: str = "",
           template_args: dict | None = None, read_timeout: float = READ_TIMEOUT, exact: bool = False,
-          prompt_cache_bytes: int | None = None) -> None:
+          prompt_cache_bytes: int | None = None, prompt_cache_dir: str | None = None) -> None:
     """Load the model and drafter, then serve until SIGINT or SIGTERM (or `shutdown()` of the server
     appended to `servers`). `system` and `template_args` are what a request gets where it says nothing
     else (a system message first; the chat template's arguments under the request's own). `exact`:
-    exact verification (`mlx_spec.exact`): a request's answer is, bit for bit, the one it gets alone."""
+    exact verification (`mlx_spec.exact`): a request's answer is, bit for bit, the one it gets alone.
+    `prompt_cache_bytes`: the prompt cache's bound (None: an eighth of the machine's memory; 0: no cache);
+    `prompt_cache_dir`: where its entries are kept for the next start too."""
     engine = _engine(model_name, drafter_spec, revision, drafter_revision, extra_eos, adapter_path, exact,
-                     max_batch, max_queue)
+                     max_batch, max_queue, prompt_cache_bytes, prompt_cache_dir)
     main = threading.current_thread() is threading.main_thread()  # (only there can handlers be set)
     if not distributed.leading():  # under --shard: rank 0 listens, and says when to stop (Ctrl-C reaches every rank)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
