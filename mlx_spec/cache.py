@@ -158,11 +158,13 @@ class KVCache(_Rows):
         self.lengths += other.lengths
 
     def row(self, b: int) -> KVCache:
-        """Row b alone, a cache of its own (the batch's buffer untouched: a later write there makes a new one)."""
+        """Row b alone, a cache of its own: its tokens' keys and values copied (a view would keep the
+        batch's whole buffer alive), computed now."""
         one = KVCache(1, self.step)
-        if self.keys is not None:
-            one.keys, one.values = self.keys[b : b + 1], self.values[b : b + 1]
-        one.lengths = [self.lengths[b]]
+        n = one.lengths[0] = self.lengths[b]
+        if self.keys is not None and n:
+            one.keys, one.values = (mx.contiguous(x[b : b + 1, :, :n]) for x in (self.keys, self.values))
+            mx.eval(one.keys, one.values)
         return one
 
     @property
@@ -324,7 +326,8 @@ class RecurrentCache(_Rows):
         one = RecurrentCache(1)
         for i in range(2):
             if self.arrays[i] is not None:
-                one.arrays[i] = self.arrays[i][b : b + 1]
+                one.arrays[i] = mx.contiguous(self.arrays[i][b : b + 1])
+        mx.eval(one.arrays.cache)
         one.lengths = [self.lengths[b]]
         return one
 

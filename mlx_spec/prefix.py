@@ -77,7 +77,7 @@ class PrefixCache:
         self.hits = self.misses = 0
         self.hit_tokens = 0
         self.directory, self.model = Path(directory) if directory else None, model
-        self.files: dict[Path, list[int]] = {}  # the directory's entries: file -> its tokens
+        self.files: dict[Path, tuple[list[int], bool]] = {}  # the directory's entries: their tokens, `whole`
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -86,21 +86,15 @@ class PrefixCache:
         """The longest usable prefix of `prompt` an entry holds (never the whole prompt: its last token is
         read for its logits): (its length, a copy of the cache cut to it, a copy of the drafter's session).
         `fresh()` makes an empty cache (where cutting cannot go back so far). None: no entry shares any."""
-        best, best_n = None, 0
-        for key, entry in self.entries.items():
-            n = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
-            if entry.whole and n < len(entry.tokens):
-                continue
-            if n > best_n:
+        best, best_n = max(((_usable(e.tokens, e.whole, prompt), key) for key, e in self.entries.items()),
+                           default=(0, None))[::-1]
+        n, path = max(((_usable(tokens, whole, prompt), path) for path, (tokens, whole) in self.files.items()
+                       if hash(tuple(tokens)) not in self.entries), default=(0, None))
+        if n > best_n:  # an entry only on disk (a previous start's) serves better
+            key = self._load(path, fresh)
+            if key is not None:
                 best, best_n = key, n
-        on_disk = max(((min(common_prefix(tokens, prompt), len(prompt) - 1), path)
-                       for path, tokens in self.files.items()), default=(0, None))
-        if on_disk[0] > best_n and hash(tuple(self.files[on_disk[1]])) not in self.entries:
-            best = self._load(on_disk[1], fresh)
-            best_n = on_disk[0] if best is not None else 0
-            if best is not None and self.entries[best].whole and best_n < len(self.entries[best].tokens):
-                best, best_n = None, 0
-        if best is None:
+        if not best_n:
             self.misses += 1
             return None
         entry = self.entries[best]
@@ -165,7 +159,7 @@ class PrefixCache:
         except OSError as e:
             _warn(f"{self.directory}: an entry could not be written ({e.strerror or e})")
             return
-        self.files[self.directory / name] = list(tokens)
+        self.files[self.directory / name] = (list(tokens), "recurrent" in kinds)
         files = sorted(self.files, key=lambda p: p.stat().st_mtime if p.exists() else 0)
         while sum(p.stat().st_size for p in files if p.exists()) > self.max_bytes and len(files) > 1:
             oldest = files.pop(0)
@@ -185,11 +179,11 @@ class PrefixCache:
             elif meta.get("model") != self.model:
                 _warn(f"{path}: an entry of another model: ignored")
             else:
-                self.files[path] = json.loads(meta["tokens"])
+                self.files[path] = (json.loads(meta["tokens"]), "recurrent" in json.loads(meta["kinds"]))
 
     def _load(self, path: Path, fresh) -> int | None:
         """The entry in `path` into memory (its key), checked against its checksum; None: it is not good."""
-        tokens = self.files.pop(path)
+        tokens, _ = self.files[path]
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
             if meta.get("sha256") != _digest({k: v for k, v in meta.items() if k != "sha256"}, arrays):
@@ -206,10 +200,20 @@ class PrefixCache:
                     raise ValueError("its layers are not this model's")
         except Exception as e:  # a file is outside input: whatever it holds costs only itself
             _warn(f"{path}: ignored ({type(e).__name__}: {e})".splitlines()[0])
+            del self.files[path]
             return None
-        key = hash(tuple(tokens))
-        self._add(key, Entry(tokens, cache, None, sum(c.nbytes for c in cache)))
+        key, nbytes = hash(tuple(tokens)), sum(c.nbytes for c in cache)
+        if nbytes > self.max_bytes:
+            return None
+        self._add(key, Entry(tokens, cache, None, nbytes))
         return key
+
+
+def _usable(tokens: list[int], whole: bool, prompt: list[int]) -> int:
+    """How much of `prompt` an entry of `tokens` serves: their common prefix, but never the prompt's last
+    token (read for its logits); 0 for one that serves only prompts containing it whole and is not."""
+    n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+    return 0 if whole and n < len(tokens) else n
 
 
 def _digest(meta: dict, arrays: dict) -> str:

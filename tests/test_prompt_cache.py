@@ -21,12 +21,16 @@ from test_mlxlm_targets import FIXTURES
 from tiny import make_tokenizer
 
 
+ENGINES: list = []  # the engine of the server `served` runs now
+
+
 @contextlib.contextmanager
 def served(model: str, drafter: str, **options):
     ready, servers = threading.Event(), []
     threading.Thread(target=serve, args=(model, drafter, "127.0.0.1", 0),
                      kwargs=dict(max_batch=4, ready=ready, servers=servers, **options), daemon=True).start()
     assert ready.wait(120)
+    ENGINES[:] = [servers[0].RequestHandlerClass.site.engine]
     try:
         yield f"http://127.0.0.1:{servers[0].server_port}"
     finally:
@@ -67,17 +71,20 @@ def hybrid(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("case", ["draft model", "eagle3", "hybrid"])
+@pytest.mark.parametrize("case", ["draft model", "draft model, exact", "eagle3", "hybrid"])
 def test_the_next_turn_reads_only_its_new_tokens(case, hybrid):
-    model, drafter = {"draft model": ("demo", "draft"), "eagle3": ("demo", "eagle3"), "hybrid": (hybrid, "lookup")}[case]
+    """(Under --exact, the answer with the cache is the one without, bit for bit.)"""
+    model, drafter = {"draft model": ("demo", "draft"), "draft model, exact": ("demo", "draft"),
+                      "eagle3": ("demo", "eagle3"), "hybrid": (hybrid, "lookup")}[case]
+    exact = {"exact": True} if case.endswith("exact") else {}
     target = api.load(model)
     rng = np.random.default_rng(0)
     first = [int(t) for t in rng.integers(5, 250, 48)]
     kept, held = answer(target, first, 8)
     second = first + kept + [int(t) for t in rng.integers(5, 250, 12)]  # the answer, then the next message
-    with served(model, drafter, prompt_cache_bytes=0) as url:  # each prompt read anew
+    with served(model, drafter, prompt_cache_bytes=0, **exact) as url:  # each prompt read anew
         anew = [complete(url, prompt, 8)["choices"][0]["text"] for prompt in (first, second)]
-    with served(model, drafter) as url:
+    with served(model, drafter, **exact) as url:
         one, two = complete(url, first, 8), complete(url, second, 8)
         assert [one["choices"][0]["text"], two["choices"][0]["text"]] == anew
         assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -158,3 +165,61 @@ def mx_equal(array, value) -> bool:
     import mlx.core as mx
 
     return bool(mx.all(array == value))
+
+
+def test_two_hundred_conversations_from_eight_clients(copy_model):
+    """A soak, bounded: 200 two-turn conversations on three shared system prompts, 8 clients at once, the
+    prompt cache bounded far below what they leave: every answer is the one its request gets alone
+    (greedy), the cache holds no more than its bound, and once the clients are gone nothing is left
+    decoding (no row, no queued request, no drafter row) and MLX holds no more than before but the cache."""
+    import queue
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from mlx_spec.serve.engine import InFlight
+
+    target = api.load(str(copy_model))
+    rng = np.random.default_rng(2)
+    systems = [[int(t) for t in rng.integers(20, 300, 24)] for _ in range(3)]
+
+    def alone(prompt: list[int]) -> tuple[str, list[int]]:
+        tokens = [t for e in plain_steps(target.model, prompt, SamplingParams(), 4) for t in e.tokens]
+        flight = InFlight(SimpleNamespace(max_tokens=4, stop=[], out=queue.Queue()), target.tokenizer)
+        kept = next((tokens[:i] for i, t in enumerate(tokens) if flight.feed([t]) is not None), tokens)
+        return flight.text, kept
+
+    turns = []  # per conversation: [(prompt, the answer alone)] in order
+    for c in range(200):
+        first = systems[c % 3] + [int(t) for t in rng.integers(20, 300, 5)]
+        text, kept = alone(first)
+        second = first + kept + [int(t) for t in rng.integers(20, 300, 5)]
+        turns.append([(first, text), (second, alone(second)[0])])
+    bound = 256 << 10
+    answers: dict = {}
+    with served(str(copy_model), "lookup", prompt_cache_bytes=bound) as url:
+        engine = ENGINES[0]
+        before = mx.get_active_memory()
+        work: queue.Queue = queue.Queue()
+        for c in range(len(turns)):
+            work.put(c)
+
+        def client():
+            while True:
+                try:
+                    c = work.get_nowait()
+                except queue.Empty:
+                    return
+                answers[c] = [complete(url, prompt, 4)["choices"][0]["text"] for prompt, _ in turns[c]]
+
+        clients = [threading.Thread(target=client) for _ in range(8)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(600)
+        assert answers == {c: [text for _, text in turn] for c, turn in enumerate(turns)}
+        assert metric(url, "mlx_spec_prompt_cache_hits_total") > 100  # (the system prompts, the first turns)
+        assert 0 < metric(url, "mlx_spec_prompt_cache_bytes") <= bound
+        assert metric(url, "mlx_spec_requests_running") == metric(url, "mlx_spec_requests_waiting") == 0
+        assert not engine.decoder.rows and not engine.running and engine.drafter.rows == 0
+        assert mx.get_active_memory() <= before + bound + (4 << 20)

@@ -134,6 +134,24 @@ def test_draft_model_reuses_its_cache(target, drafters):
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1], []) == 0
 
 
+def test_a_long_prompt_is_read_in_pieces(target, drafters, monkeypatch):
+    """A draft model reads a prompt longer than READ_MAX a piece at a time (attention scores quadratic in
+    one forward's length stay bounded): its drafts are those of one forward, rows of other lengths too."""
+    from mlx_spec.drafters import draft_model
+
+    contexts = [(PROMPTS[1] * 9)[:90], PROMPTS[2] * 3]
+    drafted = []
+    for most in (512, 16):
+        monkeypatch.setattr(draft_model, "READ_MAX", most)
+        drafter = drafters["draft-other"]()
+        for _ in contexts:
+            drafter.add()
+        drafter.catch_up(contexts)
+        assert drafter.cached == [c[:-1] for c in contexts]
+        drafted.append([d.tokens.tolist() for d in drafter.propose(contexts, [4, 4], [GREEDY, GREEDY])])
+    assert drafted[0] == drafted[1]
+
+
 class StartsOver(PromptLookup):
     """A drafter whose state cannot follow an earlier turn: the prompt is read again."""
 

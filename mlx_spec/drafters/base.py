@@ -365,6 +365,9 @@ def joined(pending: list[tuple[mx.array, ...]]) -> mx.array | None:
     return mx.concatenate(taps, axis=-1) if len(taps) > 1 else taps[0]
 
 
+READ_MAX = 512  # the most tokens a drafter's model reads in one forward (as the target's prefill chunks)
+
+
 def padded_length(n: int) -> int:
     """The length a drafter's catch-up over n new tokens is padded to: n up to 8 (what follows a round
     that drafted), else the next power of two (what follows plain rounds). Each length a forward runs

@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_spec.cache import cut_cache
-from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix,
-                                    draw_rows, padded_length)
+from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates,
+                                    common_prefix, draw_rows, padded_length)
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
@@ -81,7 +81,15 @@ class DraftModel(RowStates):
         return logits
 
     def _read(self, new: list[list[int]]) -> tuple[mx.array, list[int]]:
-        """Each row's `new` tokens into the cache, padded to one forward -> logits `[B, S, V]`, each row's n."""
+        """Each row's `new` tokens into the cache, padded to one forward -> logits `[B, S, V]`, each row's n.
+        A long span (a prompt) is read READ_MAX tokens a forward first, but for each row's last READ_MAX: one
+        forward over all of it would hold attention scores quadratic in its length."""
+        while max(len(t) for t in new) > READ_MAX:
+            self._read_once([t[: max(len(t) - READ_MAX, 0)][:READ_MAX] for t in new])
+            new = [t[min(max(len(t) - READ_MAX, 0), READ_MAX):] for t in new]
+        return self._read_once(new)
+
+    def _read_once(self, new: list[list[int]]) -> tuple[mx.array, list[int]]:
         lengths = [len(held) for held in self.cached]
         n = [len(t) for t in new]
         S = padded_length(max(n))
