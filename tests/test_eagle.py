@@ -69,9 +69,14 @@ def test_a_compiled_drafter_drafts_what_the_eager_one_does(target, version, budg
         assert drafted[0] == drafted[1]
 
 
-def test_draft_extend_keeps_the_drafters_cache_exact(target):
+@pytest.mark.parametrize("most", [512, 4])
+def test_draft_extend_keeps_the_drafters_cache_exact(target, most, monkeypatch):
     """After any run, the drafter's committed slots equal a fresh pass over the
-    same tokens with the target's real features."""
+    same tokens with the target's real features (also where it reads its features
+    `most` slots a forward: a long prompt's are read in pieces)."""
+    from mlx_spec.drafters import eagle
+
+    monkeypatch.setattr(eagle, "READ_MAX", most)
     net = random_net(target, 3)
     drafter = Eagle(net, target)
     prompt = PROMPTS[1]

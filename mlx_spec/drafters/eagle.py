@@ -37,8 +37,8 @@ import numpy as np
 
 from mlx_spec import tree
 from mlx_spec.cache import KVCache
-from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, draw_rows, joined, padded,
-                                   padded_length)
+from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix,
+                                    draw_rows, joined, padded, padded_length)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
@@ -294,10 +294,17 @@ class Eagle(RowStates):
         mx.eval(self.cache[0].state, [a for a in self.ahead if a is not None])
 
     def _extend(self, contexts: list[list[int]]) -> None:
-        """Run each row's committed slots over the features that came since its last round (one forward)."""
+        """Run each row's committed slots over the features that came since its last round (one forward, or
+        one every READ_MAX slots: one forward over a long prompt would hold attention scores quadratic in it)."""
         if not any(self.pending):
             return
         parts = [joined(p) for p in self.pending]
+        self.pending = [[] for _ in parts]
+        for lo in range(0, max(0 if p is None else p.shape[1] for p in parts), READ_MAX):
+            self._run([None if p is None or p.shape[1] <= lo else p[:, lo : lo + READ_MAX] for p in parts], contexts)
+
+    def _run(self, parts: list[mx.array | None], contexts: list[list[int]]) -> None:
+        """Each row's next slots over its features `[1, m, F]` (None: none)."""
         f, n = padded(parts, padded_length(max(0 if p is None else p.shape[1] for p in parts)))  # [B, S, F]
         if self.net.version == 1:
             f = self.target.model.norm(f)
@@ -311,7 +318,6 @@ class Eagle(RowStates):
             cache.cut(b, self.committed[b])
             if m:
                 self.ahead[b] = x[b, m - 1]
-            self.pending[b] = []
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         self._extend(contexts)
