@@ -41,6 +41,7 @@ import numpy as np
 
 from mlx_spec.cache import KVCache, RecurrentCache, rewound
 from mlx_spec.drafters.base import Drafter, common_prefix
+from mlx_spec.errors import UserError
 
 FORMAT = "mlx-spec prompt cache 1"
 
@@ -79,7 +80,10 @@ class PrefixCache:
         self.directory, self.model = Path(directory) if directory else None, model
         self.files: dict[Path, tuple[list[int], bool]] = {}  # the directory's entries: their tokens, `whole`
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"--prompt-cache-dir {directory}: cannot keep entries there ({e.strerror or e})") from None
             self._scan()
 
     def lookup(self, prompt: list[int], fresh) -> tuple[int, list, Drafter | None] | None:

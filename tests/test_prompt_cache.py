@@ -223,3 +223,11 @@ def test_two_hundred_conversations_from_eight_clients(copy_model):
         assert metric(url, "mlx_spec_requests_running") == metric(url, "mlx_spec_requests_waiting") == 0
         assert not engine.decoder.rows and not engine.running and engine.drafter.rows == 0
         assert mx.get_active_memory() <= before + bound + (4 << 20)
+
+
+def test_a_prompt_cache_dir_that_cannot_be_one_is_a_one_line_error(tmp_path, in_process):
+    from helpers import assert_one_line_error
+
+    (tmp_path / "file").write_text("not a folder")
+    proc = in_process("serve", "--model", "demo", "--prompt-cache-dir", tmp_path / "file", "--port", "0")
+    assert_one_line_error(proc, "--prompt-cache-dir", "cannot keep entries there")
