@@ -76,7 +76,6 @@ class PrefixCache:
         self.entries: OrderedDict[int, Entry] = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
-        self.hit_tokens = 0
         self.directory, self.model = Path(directory) if directory else None, model
         self.files: dict[Path, tuple[list[int], bool]] = {}  # the directory's entries: their tokens, `whole`
         if self.directory is not None:
@@ -104,7 +103,6 @@ class PrefixCache:
         entry = self.entries[best]
         self.entries.move_to_end(best)
         self.hits += 1
-        self.hit_tokens += best_n
         cache = rewound([c.row(0) for c in entry.cache], best_n, fresh)
         session = entry.session.split(0) if entry.session is not None else None
         return best_n, cache, session

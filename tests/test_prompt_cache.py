@@ -231,3 +231,10 @@ def test_a_prompt_cache_dir_that_cannot_be_one_is_a_one_line_error(tmp_path, in_
     (tmp_path / "file").write_text("not a folder")
     proc = in_process("serve", "--model", "demo", "--prompt-cache-dir", tmp_path / "file", "--port", "0")
     assert_one_line_error(proc, "--prompt-cache-dir", "cannot keep entries there")
+
+
+def test_a_context_shorter_than_the_prompt_is_a_one_line_error(in_process):
+    from helpers import assert_one_line_error
+
+    proc = in_process("bench", "--model", "demo", "--prompts", "code", "--num-prompts", "1", "--context", "8")
+    assert_one_line_error(proc, "--context 8", "a prompt alone is longer")

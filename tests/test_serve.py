@@ -148,7 +148,8 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, body, needl
 def test_bad_completion_fields_get_a_4xx(server):
     url, _ = server
     for body, needle in [({"prompt": "abc", "logprobs": 21}, "'logprobs'"), ({"prompt": "abc", "top_k": 1.5}, "'top_k'"),
-                         ({"prompt": "abc", "seed": 2**64}, "'seed'")]:
+                         ({"prompt": "abc", "seed": 2**64}, "'seed'"), ({"prompt": [1, 10**6]}, "'prompt'"),
+                         ({"prompt": [1, True]}, "'prompt'"), ({"prompt": []}, "'prompt'")]:
         status, payload = post(url, json.dumps(body).encode(), "/v1/completions")
         assert status == 400 and needle in payload["error"]["message"], body
 
