@@ -96,6 +96,8 @@ class Decoder:
         followed them (`snapshot`'s, from the server's prompt cache; None: a new one), the prompt read from there."""
         if not prompt:
             raise ValueError("the prompt is empty")
+        if not 0 <= min(prompt) <= max(prompt) < self.model.args.vocab_size:  # an embedding read out of its table
+            raise ValueError(f"a prompt token is outside the vocabulary (0..{self.model.args.vocab_size - 1})")
         if drafter is not None and drafter.one_row and self.rows:
             raise UserError(f"the {drafter.kind} drafter drafts into the target's own cache: one sequence at a time")
         self._unqueue()

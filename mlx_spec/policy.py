@@ -183,7 +183,7 @@ class Policy:
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self._costs(len(keys))
-        if c.switch is not None and not c.times.get(0):  # a first round drafts on what is assumed; then a plain
+        if c.times and not c.times.get(0):  # a first round drafts on what is assumed; then a plain
             return Decision(0, "timing a plain round")  # round is timed, queued: what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
@@ -224,9 +224,10 @@ class Policy:
         c = self._costs(len(keys))
         k, self.decided = max(ks), None
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
-        if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time
-            extra = max(seconds - c.seconds(k), 0.0)
-            c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
+        if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time, once
+            if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)
+                extra = max(seconds - c.seconds(k), 0.0)
+                c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
             if not c.times.get(k):  # a first round at a K stands for it until rounds that go on are timed
                 c.times[k] = deque([seconds], maxlen=RECENT)
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the

@@ -18,6 +18,7 @@ from mlx_spec.sampling import SamplingParams
 from stats import N, STAT_PROMPT, V, exact_joint, tiny, tv_bound
 
 GREEDY = SamplingParams()
+# Ids up to 87: the models they are decoded by have vocabularies of 96 or more.
 PROMPTS = [[1, 87, 85, 71, 84, 87, 85, 71, 84, 87, 85], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42, 43],
            [7], [5, 9, 13, 5, 9]]
 
@@ -178,9 +179,9 @@ def test_a_round_waits_for_the_device_once(monkeypatch, temp, rows):
             return real(*args, **kwargs)
         return call
 
-    target = tiny(0, 64)
+    target = tiny(0, 96)
     params = SamplingParams(temp=temp)
-    for make in (lambda: DraftModel(tiny(1, 64), 64), lambda: None):
+    for make in (lambda: DraftModel(tiny(1, 96), 96), lambda: None):
         decoder = Decoder(target, num_draft=3)
         drafter = make()
         for b in range(rows):
@@ -291,14 +292,14 @@ def test_steady_rounds_wait_once_and_compile_nothing_new(monkeypatch, kind, rows
     monkeypatch.setattr(mx, "compile", counting)
     sampling._compiled_log_probs.cache_clear()
     sampling._compiled_accept.cache_clear()
-    target = tiny(0, 64, num_hidden_layers=2)  # small and quick: the counts are what is tested
+    target = tiny(0, 96, num_hidden_layers=2)  # small and quick: the counts are what is tested
     target.compile()
     if kind == "eagle3":
         net = EagleNet(eagle_config(target, 3))
         net.compile()
         drafter = Eagle(net, target)
     else:
-        drafter = DraftModel(tiny(1, 64), 64) if kind == "draft" else PromptLookup(1, 3)
+        drafter = DraftModel(tiny(1, 96), 96) if kind == "draft" else PromptLookup(1, 3)
         if kind == "draft":
             drafter.model.compile()
     prompts = [PROMPTS[b] * 3 for b in range(4)]  # repetitive: prompt lookup finds something to copy
@@ -327,7 +328,7 @@ def test_a_plain_round_reads_its_tokens_with_the_next_round_queued(monkeypatch):
     so the device computes it while the host works."""
     from mlx_spec import host
 
-    target = tiny(0, 64)
+    target = tiny(0, 96)
     decoder = Decoder(target)
     decoder.add(0, PROMPTS[0], GREEDY, 40)
     real_read, queued = host.read, []
@@ -340,3 +341,12 @@ def test_a_plain_round_reads_its_tokens_with_the_next_round_queued(monkeypatch):
     while decoder.rows:
         decoder.step()
     assert queued[1:-1] and all(queued[1:-1])  # the first round is not queued; the last queues nothing
+
+
+def test_a_prompt_token_outside_the_vocabulary_is_refused():
+    """An id past the embedding's table reads memory that is not the model's: refused, not decoded."""
+    decoder = Decoder(tiny(0, 64))
+    for prompt in ([5, 64], [-1, 5]):
+        with pytest.raises(ValueError, match=r"outside the vocabulary \(0..63\)"):
+            decoder.add(0, prompt, GREEDY, 4)
+    assert not decoder.rows

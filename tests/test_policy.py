@@ -189,3 +189,16 @@ def test_a_batch_size_met_first_weighs_what_it_borrows_by_its_own_rounds():
     steep = {s: 20.0 + 40.0 * (s - 1) for s in range(1, 18)}
     speed, drafting, _ = simulate(steep, 0.9, 1.5, rows=16, rounds=200, policy=policy)
     assert drafting <= 0.02 and speed > 0.9, (drafting, speed)
+
+
+def test_a_first_round_before_any_plain_one_is_not_read_as_a_free_switch():
+    """The first round drafts before a plain round is timed: what it cost beyond its K is not known, so it
+    sets nothing of what probes weigh. At 8k tokens of context (the demo widened to 0.2B on the CPU: a
+    verification of 2 tokens costs 1.5 plain steps, each more 0.3), where no K pays, probes then cost
+    about EXPLORE; read as a free switch, the first ones came every few rounds."""
+    long = {1: 193, 2: 293, **{s: 293 + 57 * (s - 2) for s in range(3, 18)}}
+    policy = Policy()
+    policy.record([0], [3], [0], 0.47)  # the first round: 2.4 plain steps
+    assert policy.costs[1].switch is None
+    speed, drafting, _ = simulate(long, 0.1, 15.0, rounds=1000, policy=policy)
+    assert speed > 1 - 1.5 * EXPLORE and drafting < 0.02, (speed, drafting)
