@@ -83,12 +83,17 @@ def test_greedy_is_token_identical_to_plain(case):
         assert tokens_of(events) == plain, (layout, prompt, max_tokens, k)
 
 
-def test_modules_keep_exact_caches(case):
+@pytest.mark.parametrize("most", [512, 4])
+def test_modules_keep_exact_caches(case, most, monkeypatch):
     """After a run, each module's committed slots equal a fresh pass over the
-    committed tokens: module 1 on the target's normed states, module k on module k-1's."""
+    committed tokens: module 1 on the target's normed states, module k on module k-1's (also where
+    the modules read `most` slots a forward: a long prompt's are read in pieces)."""
+    from mlx_spec.drafters import mtp
+
+    monkeypatch.setattr(mtp, "READ_MAX", most)
     _, net, _, target = case
     drafter = MTP(net, target)
-    prompt = PROMPTS[1]
+    prompt = PROMPTS[1] * 6
     context = prompt + tokens_of(speculative_steps(target, prompt, GREEDY, 12, drafter, num_draft=3))
     drafter.propose([context], [1], [GREEDY])
     n = len(context)

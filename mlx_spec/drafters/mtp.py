@@ -44,7 +44,8 @@ from mlx_spec.attention import causal_array
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters import assistant
 from mlx_spec.drafters.assistant import Assistant
-from mlx_spec.drafters.base import EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, draw_rows, padded
+from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates, draw_rows,
+                                    padded)
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import ModelArgs, parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
@@ -223,12 +224,19 @@ class MTP(RowStates):
 
     def _extend(self, contexts: list[list[int]]) -> None:
         """Run every module over each row's newly committed slots; module k (0-based)
-        may commit slot i once token i + k + 1 is in the row's context."""
+        may commit slot i once token i + k + 1 is in the row's context. READ_MAX slots a forward at most, as
+        often as it takes: one forward over a long prompt would hold attention scores quadratic in it."""
+        while self._extend_part(contexts):
+            pass
+
+    def _extend_part(self, contexts: list[list[int]]) -> bool:
+        """Each module over up to READ_MAX of each row's slots; whether any ran."""
+        ran = False
         for k in range(len(self.net.layers)):
             hidden, tokens, counts = [], [], []
             for b, context in enumerate(contexts):
                 h, start = self._held(b, k), self.committed[b][k]
-                m = 0 if h is None else min(h.shape[1], len(context) - 1 - k - start)
+                m = 0 if h is None else min(h.shape[1], len(context) - 1 - k - start, READ_MAX)
                 counts.append(max(m, 0))
                 # module 1 reads the target's last hidden states, normed (a row's once, however many rounds)
                 hidden.append(None if m <= 0 else self.target.model.norm(h[:, :m]) if k == 0 else h[:, :m])
@@ -244,6 +252,8 @@ class MTP(RowStates):
                     self._push(b, k + 1, x)
                 if k == 0:
                     self.ahead[b] = x[:, -1:]
+            ran = ran or any(counts)
+        return ran
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         self._extend(contexts)
