@@ -169,9 +169,6 @@ class Answer(Vertical):
         self._scheduled = False
         if not self.is_attached:  # removed meanwhile (/retry, /clear)
             return
-        pane = self.parent
-        if pane.is_vertical_scroll_end:  # follow the answer, unless the user has scrolled up
-            pane.scroll_end(animate=False)
         text = self.text
         span, at = split(text, self.opened, self.done)
         thinking = self.query_one("#thinking", Collapsible)

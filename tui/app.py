@@ -139,6 +139,7 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#conversation").anchor()  # it follows what is added, until the user scrolls up
         c = self.conversation
         self.loading(f"loading {c.model}…")
         self.engine.submit(engine.Load(c.model, c.drafter, **self.loading_options))
