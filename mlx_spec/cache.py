@@ -293,7 +293,8 @@ class RecurrentCache(_Rows):
             kept = [cuts[b] - t["starts"][b] if b in rows else t["S"] for b in range(self.rows)]
             width = t["conv"].shape[1] - t["S"]
             at = (mx.array(kept)[:, None] + mx.arange(width)[None])[..., None]  # [B, K - 1, 1]
-            values = (mx.take_along_axis(t["conv"], at, axis=1), t["replay"](kept))
+            replay = t.get("replay", lambda kept: None)  # (a short convolution alone: no recurrence)
+            values = (mx.take_along_axis(t["conv"], at, axis=1), replay(kept))
             for i, value in enumerate(values):
                 if len(rows) < self.rows and value is not None:  # the other rows keep theirs
                     chosen = mx.array([b in rows for b in range(self.rows)]).reshape(-1, *[1] * (value.ndim - 1))

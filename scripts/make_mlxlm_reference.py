@@ -33,7 +33,7 @@ tests/fixtures/mlxlm_reference/
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
   gemma3_softcap/ gemma3_text/'s shape with `final_logit_softcapping` set (transformers applies it)
-  gemma4_text/, gemma2/, glm4_moe/  families mlx-spec runs through mlx-lm's forward, whole (`WHOLE`)
+  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/  families mlx-spec runs through mlx-lm's forward, whole (`WHOLE`)
 Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
 transformers computed after it (reference.npz).
 """
@@ -109,6 +109,17 @@ WHOLE = {
     "glm4_moe": ("glm4_moe", dict(num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
                                   n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                                   norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5, attention_bias=True)),
+    # LFM2: short gated convolutions (a window of 2 inputs) beside full-attention layers, its MLP width cut to two
+    # thirds and rounded (`block_auto_adjust_ff_dim`), tied embeddings; as transformers 5 writes it (no `block_dim`)
+    "lfm2": ("lfm2", dict(num_hidden_layers=4, intermediate_size=96, block_multiple_of=32,
+                          block_auto_adjust_ff_dim=True, conv_L_cache=3, norm_eps=1e-5, tie_word_embeddings=True,
+                          layer_types=["conv", "full_attention", "conv", "conv"])),
+    # LFM2-MoE (LFM2-8B-A1B's form): LFM2's convolutions and attention, a dense first layer, then routed experts
+    # chosen with an expert bias
+    "lfm2_moe": ("lfm2_moe", dict(num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True,
+                                  conv_L_cache=3, layer_types=["conv", "full_attention", "conv", "conv"], norm_eps=1e-5,
+                                  tie_word_embeddings=True)),
 }
 
 

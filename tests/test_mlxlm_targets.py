@@ -32,6 +32,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "mlxlm_reference"
 FAMILIES = ("qwen3_moe", "mimo", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "gemma3_text", "qwen3_next", "qwen3_5",
             "qwen3_5_moe", "deepseek_v3")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# State beside keys and values, rolled back from a tape: recurrences, and LFM2's convolution windows
+ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe")
 GREEDY = SamplingParams()
 
 
@@ -304,10 +306,11 @@ class EveryLength(HostDrafter):
         return EveryLength(self.truth, self.k)
 
 
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("name", ROLLED_BACK)
 def test_hybrid_rollback_is_exact_at_every_acceptance_length(name):
-    """Gated DeltaNet layers cut back to 0..K accepted tokens of a round (the recurrence replayed
-    from its tape, no second forward), checked against plain decoding token by token."""
+    """Gated DeltaNet layers (and LFM2's convolutions) cut back to 0..K accepted tokens of a round (the
+    recurrence replayed from its tape, the window taken from the taped inputs; no second forward),
+    checked against plain decoding token by token."""
     path = FIXTURES / name
     model, _ = load_model(str(path))
     prompt = np.load(path / "reference.npz")["prompt"].tolist()
@@ -318,7 +321,7 @@ def test_hybrid_rollback_is_exact_at_every_acceptance_length(name):
     assert {e.accepted for e in events[:-1]} == set(range(K + 1))
 
 
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("name", ROLLED_BACK)
 def test_hybrid_rows_of_a_batch_are_each_exact(name):
     """Rows of different lengths and different drafters in one batch: each row's tokens are its plain ones."""
     from mlx_spec.decoding import Decoder

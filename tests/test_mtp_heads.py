@@ -80,7 +80,7 @@ def test_trained_heads_get_accepted(stride_model, tmp_path):
     data = write_stride_data(tmp_path / "data", stride_model)
     out = tmp_path / "heads"
     proc = cli("train", "mtp-heads", "--target", stride_model, "--data", data, "-o", out, "--heads", "3",
-               "--steps", "40", "--batch-size", "16", "--seq-len", "48", "--lr", "3e-3", "--warmup", "5",
+               "--steps", "20", "--batch-size", "8", "--seq-len", "48", "--lr", "3e-3", "--warmup", "5",
                "--quiet", env=_fast_blas_env())
     assert proc.returncode == 0, proc.stderr
     stride_target, _ = load_model(str(stride_model))

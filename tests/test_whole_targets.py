@@ -1,6 +1,7 @@
 """Families mlx-spec runs through mlx-lm's forward, whole (mlx_spec/models/whole.py): Gemma 4
-(per-layer inputs, keys and values shared across layers, a final softcap), Gemma 2 (softcaps) and
-GLM-4.5's mixture of experts, each a tiny checkpoint transformers saved, checked against the tokens
+(per-layer inputs, keys and values shared across layers, a final softcap), Gemma 2 (softcaps),
+GLM-4.5's mixture of experts and LFM2, dense and mixture of experts (short convolutions beside
+attention), each a tiny checkpoint transformers saved, checked against the tokens
 and logits transformers computed on it (scripts/make_mlxlm_reference.py, `WHOLE`); every chain
 drafter, the feature-reading ones included, greedy-identical to plain; speculative sampling
 distributed as the target's own; what needs the layers apart refused in one line."""
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_spec import sampling
+from mlx_spec.cache import RecurrentCache
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.draft_model import DraftModel
@@ -25,7 +27,7 @@ from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart
 from test_mlxlm_targets import FIXTURES, assert_is_transformers, chain_drafter, families, seeded
 from test_speculative import resample_from_target
 
-WHOLE = ("gemma4_text", "gemma2", "glm4_moe")
+WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe")
 GREEDY = SamplingParams()
 
 
@@ -88,6 +90,13 @@ TINY = {
                      n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
                      routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=True, attention_bias=False,
                      partial_rotary_factor=0.5, rope_theta=10000.0, rope_scaling=None),
+    "lfm2": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, norm_eps=1e-5,
+                 conv_bias=False, conv_L_cache=3, block_dim=32, block_ff_dim=64, block_multiple_of=16,
+                 block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, full_attn_idxs=[1], rope_theta=10000.0),
+    "lfm2_moe": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                     num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=2, num_key_value_heads=1,
+                     use_expert_bias=True, num_dense_layers=0, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                     full_attn_idxs=[1], rope_theta=10000.0),
 }
 
 
@@ -115,18 +124,38 @@ def test_sampling_matches_the_targets_distribution(name, monkeypatch):
 
 
 def test_a_family_with_state_beside_keys_and_values_is_refused(tmp_path):
-    """LFM2's convolution state cannot be rolled back after a rejected draft: refused, in one line."""
+    """Mamba's recurrence has no replay in mlx-spec: it could not be rolled back after a rejected draft,
+    so it is refused, in one line."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import lfm2
+    from mlx_lm.models import mamba
 
-    config = dict(model_type="lfm2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=128, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
-                  block_dim=32, block_ff_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
-                  block_auto_adjust_ff_dim=False, full_attn_idxs=[1], rope_theta=10000.0, tie_word_embeddings=True)
-    model = lfm2.Model(lfm2.ModelArgs.from_dict(config))
-    folder = tmp_path / "lfm2"
+    config = dict(model_type="mamba", vocab_size=64, hidden_size=32, intermediate_size=64, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+    model = mamba.Model(mamba.ModelArgs.from_dict(config))
+    folder = tmp_path / "mamba"
     folder.mkdir()
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="lfm2 model keeps state mlx-spec cannot roll back"):
+    with pytest.raises(UserError, match="mamba model keeps state mlx-spec cannot roll back"):
         load_model(str(folder))
+
+
+def test_a_convolution_window_is_cut_to_the_kept_tokens():
+    """LFM2: after a verification of 5 tokens cut back to 2 of them, each convolution's window is the
+    one a forward of the kept tokens alone leaves (the rows' windows apart, one row not cut)."""
+    model, _ = load_model(str(FIXTURES / "lfm2"))
+    prompt = np.load(FIXTURES / "lfm2" / "reference.npz")["prompt"].tolist()
+    cut = model.make_cache(2)
+    model(mx.array([prompt, prompt[::-1]]), cut)
+    model(mx.array([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]]), cut)
+    for c in cut:
+        c.cut(0, len(prompt) + 2)
+    windows = [i for i, c in enumerate(cut) if isinstance(c, RecurrentCache)]
+    assert len(windows) == 3
+    for i in windows:
+        cut[i].settle()
+    for b, kept in enumerate([prompt + [5, 6], prompt[::-1] + [9, 8, 7, 6, 5]]):
+        alone = model.make_cache()
+        model(mx.array([kept]), alone)
+        for i in windows:
+            assert np.abs(np.array(cut[i].arrays[0][b]) - np.array(alone[i].arrays[0][0])).max() < 1e-5

@@ -216,7 +216,7 @@ class Assistant(RowStates):
         masks = {"full_attention": seen[:, None, None], "sliding_attention": near[:, None, None]}  # [B, 1, 1, L]
         offset = n[:, 0] - 1  # each row's query at its last key's position
         H = self.target.args.hidden_size
-        h = self.target.model.norm(mx.concatenate([x if x is not None else mx.zeros((1, 1, H)) for x in self.last]))
+        h = self.target.final_norm(mx.concatenate([x if x is not None else mx.zeros((1, 1, H)) for x in self.last]))
         token = mx.array([c[-1] for c in contexts], dtype=mx.int32)  # [B]
         tokens, dists = [], []
         for _ in range(max(ks)):

@@ -307,7 +307,7 @@ class Eagle(RowStates):
         """Each row's next slots over its features `[1, m, F]` (None: none)."""
         f, n = padded(parts, padded_length(max(0 if p is None else p.shape[1] for p in parts)))  # [B, S, F]
         if self.net.version == 1:
-            f = self.target.model.norm(f)
+            f = self.target.final_norm(f)
         S = f.shape[1]
         tokens = mx.array([c[start + 1 : start + 1 + m] + [0] * (S - m)  # the token after each slot's
                            for c, start, m in zip(contexts, self.committed, n)])

@@ -147,7 +147,7 @@ class Medusa(RowStates):
         drafts = [EMPTY() for _ in ks]
         if rows:
             hidden = mx.stack([self.states[b][0, -1] for b in rows])  # [R, H]
-            logits = self.heads(self.target.model.norm(hidden))[..., : self.target.args.vocab_size]  # [R, K, V]
+            logits = self.heads(self.target.final_norm(hidden))[..., : self.target.args.vocab_size]  # [R, K, V]
             for i, b in enumerate(rows):
                 if self.chain:  # each head's most likely token (a target that verifies chains only)
                     drafts[b] = Draft(mx.argmax(logits[i, : ks[b]], axis=-1).astype(mx.int32))

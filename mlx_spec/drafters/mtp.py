@@ -239,7 +239,7 @@ class MTP(RowStates):
                 m = 0 if h is None else min(h.shape[1], len(context) - 1 - k - start, READ_MAX)
                 counts.append(max(m, 0))
                 # module 1 reads the target's last hidden states, normed (a row's once, however many rounds)
-                hidden.append(None if m <= 0 else self.target.model.norm(h[:, :m]) if k == 0 else h[:, :m])
+                hidden.append(None if m <= 0 else self.target.final_norm(h[:, :m]) if k == 0 else h[:, :m])
                 tokens.append(mx.array(context[start + k + 1 : start + k + 1 + m]) if m > 0 else None)
             outputs = self._run(k, hidden, tokens)
             for b, (x, m) in enumerate(zip(outputs, counts)):

@@ -247,7 +247,12 @@ class Model(nn.Module):
 
     def head(self, h: mx.array) -> mx.array:
         """Final norm and LM head: `[B, S, H] -> [B, S, V]`."""
-        return self.unembed(self.model.norm(h))
+        return self.unembed(self.final_norm(h))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm between the last layer and the LM head (heads drafters and EAGLE read through it)."""
+        return self.model.norm
 
     def unembed(self, h: mx.array) -> mx.array:
         """The LM head alone, on already normed states."""

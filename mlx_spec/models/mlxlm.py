@@ -151,6 +151,8 @@ def mlx_lm_config(config: dict) -> dict:
             out["global_head_dim"] = full[0]
     if "num_local_experts" in out:
         out.setdefault("num_experts", out["num_local_experts"])
+    if out.get("model_type") == "lfm2":  # transformers 5 writes no `block_dim` (the hidden size), which mlx-lm needs
+        out.setdefault("block_dim", out.get("hidden_size"))
     period = PERIODIC.get(out.get("model_type"))
     if period and isinstance(out.get("layer_types"), list):
         field, kind = period

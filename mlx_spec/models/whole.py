@@ -10,14 +10,17 @@ mlx-lm's cache protocol: masks per row, trim), one per cache mlx-lm's
 state entering it is captured for the drafters that read the target's features.
 What mlx-lm does between the layers is then whatever the family does. A
 target verifies chains (the family's attention takes no per-token positions),
-with no early exit and no exact verification; a family that keeps state other
-than keys and values (convolutions, recurrences) is refused: mlx-spec could
-not roll it back.
+with no early exit and no exact verification. A family whose layers keep a
+short convolution's last inputs beside keys and values (LFM2) has each such
+convolution taped as a Gated DeltaNet's is (`cache.RecurrentCache`): a cut
+takes the window ending at the last kept token. Any other state (a recurrence
+mlx-spec has no replay for) is refused: mlx-spec could not roll it back.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib.util
 from pathlib import Path
 from typing import NoReturn, Sequence
@@ -25,7 +28,7 @@ from typing import NoReturn, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.cache import KVCache, RowOf
+from mlx_spec.cache import KVCache, RecurrentCache, RowOf
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import check_fields
 from mlx_spec.models.dtypes import cast_floating
@@ -36,13 +39,22 @@ CHECKED = {
     "gemma4_text": "Gemma 4 text models (sliding and full layers, shared keys and values, per-layer inputs, softcap)",
     "gemma2": "Gemma 2 (attention and final logit softcaps)",
     "glm4_moe": "GLM-4.5 / 4.6 mixture of experts",
+    "lfm2": "LiquidAI LFM2 / LFM2.5 (short gated convolutions beside attention layers)",
+    "lfm2_moe": "LiquidAI LFM2 mixture of experts (LFM2-8B-A1B)",
 }
+# Families whose layers keep a short convolution's last inputs alone (mlx-lm's `ArraysCache(1)`) beside
+# keys and values: model_type -> where the convolution sits in such a layer.
+WINDOWED = {"lfm2": "conv.conv", "lfm2_moe": "conv.conv"}
+# model_type -> the name of its final norm, where it is not `norm`
+FINAL_NORM = {"lfm2": "embedding_norm", "lfm2_moe": "embedding_norm"}
 # Families whose attention takes a batch's per-row masks (`[B, 1, S, L]`), checked with rows of a batch
 # (tests/test_whole_targets.py); the others run a batch's rows one forward each (mlx-lm's gemma2, with
 # grouped queries, broadcasts such a mask across heads wrongly).
-BATCHED = ("gemma4_text", "gemma4", "glm4_moe")
+BATCHED = ("gemma4_text", "gemma4", "glm4_moe", *WINDOWED)
 # The hidden states captured in the forward being run: layer index -> state entering it.
 _STATES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("states", default=None)
+# The windows being taped in the forward being run: cache index -> its RecurrentCache.
+_TAPES: contextvars.ContextVar[dict] = contextvars.ContextVar("tapes", default={})
 
 
 def _capture(layer: nn.Module, i: int, last: bool) -> None:
@@ -62,6 +74,20 @@ def _capture(layer: nn.Module, i: int, last: bool) -> None:
     layer.__class__ = type(cls.__name__, (cls,), {"__call__": call})
 
 
+def _tape_window(conv: nn.Module, i: int) -> None:
+    """Layer i's convolution, handing its input `[B, K - 1 + S, C]` (the window, then the forward's
+    S inputs) to layer i's cache while a taped forward runs."""
+    cls = type(conv)
+
+    def call(self, x: mx.array) -> mx.array:
+        cache = _TAPES.get().get(i)
+        if cache is not None:
+            cache.record_conv(x)
+        return cls.__call__(self, x)
+
+    conv.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+
+
 class WholeTarget(MLXLMTarget):
     """An mlx-lm model of a family mlx-spec has no layer loop for, as a target: chains only."""
 
@@ -69,14 +95,22 @@ class WholeTarget(MLXLMTarget):
     runs_apart = False
 
     def _prepare(self, text: nn.Module, shape: dict) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.cache import KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
 
         for i, layer in enumerate(text.model.layers):
             _capture(layer, i, i == len(text.model.layers) - 1)
-        self.caches = len(make_prompt_cache(self.inner))  # mlx-lm's count (Gemma 4's shared layers have none)
+        kept = make_prompt_cache(self.inner)
+        self.caches = len(kept)  # mlx-lm's count (Gemma 4's shared layers have none)
+        self.windows = {i for i, c in enumerate(kept) if not isinstance(c, (MLXLMCache, RotatingKVCache))}
+        for i in self.windows:  # (a family with windows keeps one cache a layer)
+            _tape_window(functools.reduce(getattr, WINDOWED[self.model_type].split("."), text.model.layers[i]), i)
 
     def make_cache(self, rows: int = 1) -> list:
-        return [KVCache(rows) for _ in range(self.caches)]
+        return [RecurrentCache(rows) if i in self.windows else KVCache(rows) for i in range(self.caches)]
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model[FINAL_NORM.get(self.model_type, "norm")]
 
     def masks(self, *args, **kwargs) -> list:
         self._whole()
@@ -104,12 +138,19 @@ class WholeTarget(MLXLMTarget):
         return self._forward(tokens, cache, capture)
 
     def _forward(self, tokens: mx.array, cache, capture: Sequence[int]) -> tuple[mx.array, tuple[mx.array, ...]]:
+        S = tokens.shape[1]
+        windows = {i: c for i, c in enumerate(cache or ()) if isinstance(c, RecurrentCache)}
         states: dict[int, mx.array] = {}
         token = _STATES.set(states if capture else None)
+        taping = _TAPES.set({i: c for i, c in windows.items() if c.begin(S)})  # (begin applies pending cuts)
         try:
-            logits = self.inner(tokens, cache=list(cache) if cache is not None else None)  # [B, S, V]
+            inner = [c.arrays if i in windows else c for i, c in enumerate(cache)] if cache is not None else None
+            logits = self.inner(tokens, cache=inner)  # [B, S, V]
         finally:
             _STATES.reset(token)
+            _TAPES.reset(taping)
+        for c in windows.values():
+            c.end(S)
         return logits, tuple(states[i] for i in capture)
 
 
@@ -125,7 +166,7 @@ def implements(model_type: str) -> bool:
 
 def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> WholeTarget:
     """The mlx-lm model in `path`, run whole (see the module docstring)."""
-    from mlx_lm.models.cache import KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
     from mlx_lm.utils import load_model as mlx_lm_load
 
     model_type = config.get("model_type")
@@ -139,7 +180,8 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -
         raise UserError(f"{path / 'config.json'}: mlx-lm cannot build model_type '{model_type}' from it "
                         f"({' '.join(str(e).split())})") from None
     kept = {type(c).__name__ for c in make_prompt_cache(inner)}
-    if kept - {MLXLMCache.__name__, RotatingKVCache.__name__}:
+    windows = {ArraysCache.__name__} if model_type in WINDOWED else set()
+    if kept - {MLXLMCache.__name__, RotatingKVCache.__name__} - windows:
         raise UserError(f"{path}: a {model_type} model keeps state mlx-spec cannot roll back after a rejected "
                         f"draft ({', '.join(sorted(kept))}), beside keys and values")
     return WholeTarget(cast_floating(inner, dtype), config)

@@ -58,7 +58,7 @@ def ttt_loss(net: EagleNet, target: Model, tokens: mx.array, mask: mx.array, ste
     distributions; `draft_ids` [Vd] are the target ids of the draft vocabulary."""
     logits_t, hidden = target(tokens, capture=_capture(net, target))
     if net.version == 1:
-        feats = target.model.norm(hidden[0])
+        feats = target.final_norm(hidden[0])
     else:
         feats = mx.concatenate(hidden, axis=-1)
     feats, logits_t = mx.stop_gradient(feats), mx.stop_gradient(logits_t)
@@ -124,7 +124,7 @@ def acceptance(net: EagleNet, target: Model, batches, n_batches: int) -> dict[st
         batch = batches(i)
         tokens, m = batch["tokens"], batch["mask"][:, 1:].astype(mx.float32)
         logits_t, hidden = target(tokens, capture=_capture(net, target))
-        feats = target.model.norm(hidden[0]) if net.version == 1 else mx.concatenate(hidden, axis=-1)
+        feats = target.final_norm(hidden[0]) if net.version == 1 else mx.concatenate(hidden, axis=-1)
         x = net(feats[:, :-1], target.model.embed_tokens(tokens[:, 1:]), mask="causal")
         p = mx.softmax(net.logits(x, target), axis=-1)
         q = mx.softmax(logits_t[:, 1:], axis=-1)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         # Start the drafter's head and norm from the target's: the same tokens, the same scale.
         full = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
         net.lm_head.weight = full[mx.array(used)]
-        net.norm.weight = mx.array(target.model.norm.weight)
+        net.norm.weight = mx.array(target.final_norm.weight)
         net.freeze(keys=["d2t"])
         if size < V:
             draft_ids = mx.array(used)

@@ -28,7 +28,7 @@ DECAY = 0.8
 def medusa_loss(heads: MedusaHeads, target: Model, tokens: mx.array, mask: mx.array) -> mx.array:
     """Weighted cross-entropy of every head, over `tokens` `[B, S]` (`mask` True on targets)."""
     _, (hidden,) = target(tokens, capture=(target.args.num_hidden_layers,))
-    h = mx.stop_gradient(target.model.norm(hidden))  # [B, S, H], the LM head's input
+    h = mx.stop_gradient(target.final_norm(hidden))  # [B, S, H], the LM head's input
     S = tokens.shape[1]
     loss = mx.array(0.0)
     for k, head in enumerate(heads.heads):
@@ -59,7 +59,7 @@ def head_accuracy(heads: MedusaHeads, target: Model, batches, n_batches: int) ->
         batch = batches(i)
         tokens, mask = batch["tokens"], batch["mask"].astype(mx.float32)
         _, (hidden,) = target(tokens, capture=(target.args.num_hidden_layers,))
-        logits = heads(target.model.norm(hidden))  # [B, S, K, V]
+        logits = heads(target.final_norm(hidden))  # [B, S, K, V]
         S = tokens.shape[1]
         for k in range(len(heads.heads)):
             shift = k + 2

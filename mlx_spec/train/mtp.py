@@ -29,7 +29,7 @@ def mtp_config(target: Model, num_modules: int) -> dict:
 
 def mtp_loss(net: MTPNet, target: Model, tokens: mx.array, mask: mx.array, weight: float = 1.0) -> mx.array:
     logits_t, (hidden,) = target(tokens, capture=(target.args.num_hidden_layers,))
-    h = mx.stop_gradient(target.model.norm(hidden))  # [B, S, H]
+    h = mx.stop_gradient(target.final_norm(hidden))  # [B, S, H]
     logits_t = mx.stop_gradient(logits_t).astype(mx.float32)
     embedding = mx.stop_gradient(target.model.embed_tokens(tokens))
     S = tokens.shape[1]
