@@ -33,7 +33,8 @@ tests/fixtures/mlxlm_reference/
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
   gemma3_softcap/ gemma3_text/'s shape with `final_logit_softcapping` set (transformers applies it)
-  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/  families mlx-spec runs through mlx-lm's forward, whole (`WHOLE`)
+  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/  families mlx-spec runs through
+              mlx-lm's forward, whole (`WHOLE`)
 Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
 transformers computed after it (reference.npz).
 """
@@ -120,6 +121,14 @@ WHOLE = {
                                   num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True,
                                   conv_L_cache=3, layer_types=["conv", "full_attention", "conv", "conv"], norm_eps=1e-5,
                                   tie_word_embeddings=True)),
+    # Granite 4.0-H (granite-4.0-h-tiny's form): Mamba-2 layers (a convolution and a state space model) beside
+    # attention layers without positions ("nope"), routed and shared experts, Granite's multipliers
+    "granitemoehybrid": ("granitemoehybrid", dict(
+        num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16,
+        mamba_expand=2, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_conv_bias=True,
+        mamba_proj_bias=False, position_embedding_type="nope", embedding_multiplier=2.0, logits_scaling=3.0,
+        residual_multiplier=0.5, attention_multiplier=0.25, tie_word_embeddings=True)),
 }
 
 

@@ -32,8 +32,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "mlxlm_reference"
 FAMILIES = ("qwen3_moe", "mimo", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "gemma3_text", "qwen3_next", "qwen3_5",
             "qwen3_5_moe", "deepseek_v3")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# State beside keys and values, rolled back from a tape: recurrences, and LFM2's convolution windows
-ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe")
+# State beside keys and values, rolled back from a tape: recurrences, LFM2's convolution windows, Mamba-2
+ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe", "granitemoehybrid")
 GREEDY = SamplingParams()
 
 

@@ -1,10 +1,11 @@
 """Families mlx-spec runs through mlx-lm's forward, whole (mlx_spec/models/whole.py): Gemma 4
 (per-layer inputs, keys and values shared across layers, a final softcap), Gemma 2 (softcaps),
-GLM-4.5's mixture of experts and LFM2, dense and mixture of experts (short convolutions beside
-attention), each a tiny checkpoint transformers saved, checked against the tokens
-and logits transformers computed on it (scripts/make_mlxlm_reference.py, `WHOLE`); every chain
-drafter, the feature-reading ones included, greedy-identical to plain; speculative sampling
-distributed as the target's own; what needs the layers apart refused in one line."""
+GLM-4.5's mixture of experts, LFM2, dense and mixture of experts (short convolutions beside
+attention) and Granite 4.0-H (Mamba-2 layers beside attention), each a tiny checkpoint transformers
+saved, checked against the tokens and logits transformers computed on it
+(scripts/make_mlxlm_reference.py, `WHOLE`); every chain drafter, the feature-reading ones included,
+greedy-identical to plain; speculative sampling distributed as the target's own; what needs the
+layers apart refused in one line."""
 
 import json
 
@@ -27,7 +28,7 @@ from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart
 from test_mlxlm_targets import FIXTURES, assert_is_transformers, chain_drafter, families, seeded
 from test_speculative import resample_from_target
 
-WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe")
+WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe", "granitemoehybrid")
 GREEDY = SamplingParams()
 
 
@@ -97,6 +98,13 @@ TINY = {
                      num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=2, num_key_value_heads=1,
                      use_expert_bias=True, num_dense_layers=0, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                      full_attn_idxs=[1], rope_theta=10000.0),
+    "granitemoehybrid": dict(hidden_size=32, num_hidden_layers=2, intermediate_size=16, num_attention_heads=2,
+                             num_key_value_heads=1, attention_bias=False, embedding_multiplier=2.0,
+                             attention_multiplier=0.25, logits_scaling=3.0, residual_multiplier=0.5,
+                             layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=32, mamba_n_heads=4, mamba_d_head=16, mamba_proj_bias=False,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
+                             position_embedding_type="nope"),
 }
 
 

@@ -128,7 +128,7 @@ def _routed(config: dict) -> tuple[int, int] | None:
 def mlx_lm_config(config: dict) -> dict:
     """`config` as mlx-lm's argument classes read it (see the module docstring); a
     `text_config` inside (Qwen3.5's published form) likewise."""
-    out = dict(config)
+    out = {k: _number(v) for k, v in config.items()}
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = mlx_lm_config({"model_type": out["model_type"], **out["text_config"]})
     rope = out.get("rope_parameters")
@@ -151,6 +151,11 @@ def mlx_lm_config(config: dict) -> dict:
             out["global_head_dim"] = full[0]
     if "num_local_experts" in out:
         out.setdefault("num_experts", out["num_local_experts"])
+    if out.get("model_type") == "granitemoehybrid":
+        out.setdefault("time_step_limit", (0.0, float("inf")))  # transformers' default (mlx-lm's is narrower)
+        if isinstance(out.get("layer_types"), list):  # transformers 5's names for the published "mamba", "attention"
+            names = {"linear_attention": "mamba", "full_attention": "attention"}
+            out["layer_types"] = [names.get(t, t) for t in out["layer_types"]]
     if out.get("model_type") == "lfm2":  # transformers 5 writes no `block_dim` (the hidden size), which mlx-lm needs
         out.setdefault("block_dim", out.get("hidden_size"))
     period = PERIODIC.get(out.get("model_type"))
@@ -164,6 +169,15 @@ def mlx_lm_config(config: dict) -> dict:
                             f"'{kind}' layer every {field} layers, which these are not")
         out[field] = every
     return out
+
+
+def _number(value):
+    """A config value with the non-finite numbers transformers 5 writes as `{"__float__": "Infinity"}` read."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        return [_number(v) for v in value]
+    return value
 
 
 def _layer_kinds(text: nn.Module, config: dict) -> list:

@@ -11,17 +11,19 @@ state entering it is captured for the drafters that read the target's features.
 What mlx-lm does between the layers is then whatever the family does. A
 target verifies chains (the family's attention takes no per-token positions),
 with no early exit and no exact verification. A family whose layers keep a
-short convolution's last inputs beside keys and values (LFM2) has each such
-convolution taped as a Gated DeltaNet's is (`cache.RecurrentCache`): a cut
-takes the window ending at the last kept token. Any other state (a recurrence
-mlx-spec has no replay for) is refused: mlx-spec could not roll it back.
+short convolution's last inputs beside keys and values (LFM2), and a state
+space model's state (Granite 4.0-H's Mamba-2 layers), has both taped as a
+Gated DeltaNet's are (`cache.RecurrentCache`): a cut takes the window ending at
+the last kept token and replays the state space model over the kept tokens.
+Any other state (a recurrence mlx-spec has no replay for) is refused: mlx-spec
+could not roll it back.
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
 import importlib.util
+import types
 from pathlib import Path
 from typing import NoReturn, Sequence
 
@@ -41,19 +43,21 @@ CHECKED = {
     "glm4_moe": "GLM-4.5 / 4.6 mixture of experts",
     "lfm2": "LiquidAI LFM2 / LFM2.5 (short gated convolutions beside attention layers)",
     "lfm2_moe": "LiquidAI LFM2 mixture of experts (LFM2-8B-A1B)",
+    "granitemoehybrid": "IBM Granite 4.0-H (Mamba-2 layers beside attention, mixture of experts)",
 }
-# Families whose layers keep a short convolution's last inputs alone (mlx-lm's `ArraysCache(1)`) beside
-# keys and values: model_type -> where the convolution sits in such a layer.
-WINDOWED = {"lfm2": "conv.conv", "lfm2_moe": "conv.conv"}
+# Families whose layers keep, beside keys and values, a convolution's last inputs and, in Mamba-2 layers,
+# a state space model's state (mlx-lm's `ArraysCache`): model_type -> (the module of such a layer that
+# reads and writes them, the name of its convolution). Both are taped and cut back (`_tape_state`).
+TAPED = {"lfm2": ("conv", "conv"), "lfm2_moe": ("conv", "conv"), "granitemoehybrid": ("mamba", "conv1d")}
 # model_type -> the name of its final norm, where it is not `norm`
 FINAL_NORM = {"lfm2": "embedding_norm", "lfm2_moe": "embedding_norm"}
 # Families whose attention takes a batch's per-row masks (`[B, 1, S, L]`), checked with rows of a batch
 # (tests/test_whole_targets.py); the others run a batch's rows one forward each (mlx-lm's gemma2, with
 # grouped queries, broadcasts such a mask across heads wrongly).
-BATCHED = ("gemma4_text", "gemma4", "glm4_moe", *WINDOWED)
+BATCHED = ("gemma4_text", "gemma4", "glm4_moe", *TAPED)
 # The hidden states captured in the forward being run: layer index -> state entering it.
 _STATES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("states", default=None)
-# The windows being taped in the forward being run: cache index -> its RecurrentCache.
+# The states being taped in the forward being run: cache index -> its RecurrentCache.
 _TAPES: contextvars.ContextVar[dict] = contextvars.ContextVar("tapes", default={})
 
 
@@ -74,10 +78,12 @@ def _capture(layer: nn.Module, i: int, last: bool) -> None:
     layer.__class__ = type(cls.__name__, (cls,), {"__call__": call})
 
 
-def _tape_window(conv: nn.Module, i: int) -> None:
-    """Layer i's convolution, handing its input `[B, K - 1 + S, C]` (the window, then the forward's
-    S inputs) to layer i's cache while a taped forward runs."""
-    cls = type(conv)
+def _tape_state(module: nn.Module, conv: str, i: int) -> None:
+    """Layer i's stateful module, as mlx-lm writes it, handing layer i's cache its tape while a taped
+    forward runs: its convolution's input `[B, K - 1 + S, C]` (the window, then the forward's S inputs)
+    and, where it calls mlx-lm's `ssm_update` (Mamba-2), a replay of that call (mlx-lm's module untouched:
+    its methods run with `ssm_update` bound to the taped one)."""
+    cls = type(module[conv])
 
     def call(self, x: mx.array) -> mx.array:
         cache = _TAPES.get().get(i)
@@ -85,7 +91,39 @@ def _tape_window(conv: nn.Module, i: int) -> None:
             cache.record_conv(x)
         return cls.__call__(self, x)
 
-    conv.__class__ = type(cls.__name__, (cls,), {"__call__": call})
+    module[conv].__class__ = type(cls.__name__, (cls,), {"__call__": call})
+    methods = {}
+    for name, f in vars(type(module)).items():
+        if isinstance(f, types.FunctionType) and "ssm_update" in f.__code__.co_names:
+            scope = dict(f.__globals__, ssm_update=_taped_ssm(f.__globals__["ssm_update"], i))
+            methods[name] = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
+    if methods:
+        module.__class__ = type(type(module).__name__, (type(module),), methods)
+
+
+def _taped_ssm(update, i: int):
+    """mlx-lm's `ssm_update` for layer i, handing its cache a replay: the state after each row's first
+    kept[b] of the forward's tokens, from the state before it (rows that keep as many run together)."""
+
+    def taped(x, A_log, B, C, D, dt, dt_bias, state=None, limit=(0.001, 100.0), *args, **kwargs):
+        cache = _TAPES.get().get(i)
+        if cache is not None:
+            def replay(kept: list[int]) -> mx.array:
+                before = state if state is not None else mx.zeros((x.shape[0], *x.shape[2:], B.shape[-1]))
+                rows = [None] * len(kept)
+                for n in set(kept):
+                    at = [b for b, m in enumerate(kept) if m == n]
+                    idx = mx.array(at)
+                    s = before[idx]
+                    if n:  # [R, H, Dh, Ds]
+                        s = update(x[idx, :n], A_log, B[idx, :n], C[idx, :n], D, dt[idx, :n], dt_bias, s, limit)[1]
+                    for j, b in enumerate(at):
+                        rows[b] = s[j : j + 1]
+                return mx.concatenate(rows)
+            cache.record_recurrence(replay)
+        return update(x, A_log, B, C, D, dt, dt_bias, state, limit, *args, **kwargs)
+
+    return taped
 
 
 class WholeTarget(MLXLMTarget):
@@ -101,12 +139,13 @@ class WholeTarget(MLXLMTarget):
             _capture(layer, i, i == len(text.model.layers) - 1)
         kept = make_prompt_cache(self.inner)
         self.caches = len(kept)  # mlx-lm's count (Gemma 4's shared layers have none)
-        self.windows = {i for i, c in enumerate(kept) if not isinstance(c, (MLXLMCache, RotatingKVCache))}
-        for i in self.windows:  # (a family with windows keeps one cache a layer)
-            _tape_window(functools.reduce(getattr, WINDOWED[self.model_type].split("."), text.model.layers[i]), i)
+        self.stateful = {i for i, c in enumerate(kept) if not isinstance(c, (MLXLMCache, RotatingKVCache))}
+        for i in self.stateful:  # (a family with such state keeps one cache a layer)
+            module, conv = TAPED[self.model_type]
+            _tape_state(text.model.layers[i][module], conv, i)
 
     def make_cache(self, rows: int = 1) -> list:
-        return [RecurrentCache(rows) if i in self.windows else KVCache(rows) for i in range(self.caches)]
+        return [RecurrentCache(rows) if i in self.stateful else KVCache(rows) for i in range(self.caches)]
 
     @property
     def final_norm(self) -> nn.Module:
@@ -139,17 +178,17 @@ class WholeTarget(MLXLMTarget):
 
     def _forward(self, tokens: mx.array, cache, capture: Sequence[int]) -> tuple[mx.array, tuple[mx.array, ...]]:
         S = tokens.shape[1]
-        windows = {i: c for i, c in enumerate(cache or ()) if isinstance(c, RecurrentCache)}
+        stateful = {i: c for i, c in enumerate(cache or ()) if isinstance(c, RecurrentCache)}
         states: dict[int, mx.array] = {}
         token = _STATES.set(states if capture else None)
-        taping = _TAPES.set({i: c for i, c in windows.items() if c.begin(S)})  # (begin applies pending cuts)
+        taping = _TAPES.set({i: c for i, c in stateful.items() if c.begin(S)})  # (begin applies pending cuts)
         try:
-            inner = [c.arrays if i in windows else c for i, c in enumerate(cache)] if cache is not None else None
+            inner = [c.arrays if i in stateful else c for i, c in enumerate(cache)] if cache is not None else None
             logits = self.inner(tokens, cache=inner)  # [B, S, V]
         finally:
             _STATES.reset(token)
             _TAPES.reset(taping)
-        for c in windows.values():
+        for c in stateful.values():
             c.end(S)
         return logits, tuple(states[i] for i in capture)
 
@@ -180,8 +219,8 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -
         raise UserError(f"{path / 'config.json'}: mlx-lm cannot build model_type '{model_type}' from it "
                         f"({' '.join(str(e).split())})") from None
     kept = {type(c).__name__ for c in make_prompt_cache(inner)}
-    windows = {ArraysCache.__name__} if model_type in WINDOWED else set()
-    if kept - {MLXLMCache.__name__, RotatingKVCache.__name__} - windows:
+    taped = {ArraysCache.__name__} if model_type in TAPED else set()
+    if kept - {MLXLMCache.__name__, RotatingKVCache.__name__} - taped:
         raise UserError(f"{path}: a {model_type} model keeps state mlx-spec cannot roll back after a rejected "
                         f"draft ({', '.join(sorted(kept))}), beside keys and values")
     return WholeTarget(cast_floating(inner, dtype), config)
