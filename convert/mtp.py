@@ -190,7 +190,7 @@ def _as_mlx_lm_deepseek(weights: dict[str, mx.array], target_config: dict) -> di
 
     from mlx_lm.models import deepseek_v3
 
-    from mlx_spec.models.mlxlm import mlx_lm_config
+    from mlx_spec.models.config import mlx_lm_config
 
     args = deepseek_v3.ModelArgs.from_dict({**mlx_lm_config(target_config), "num_hidden_layers": 1})
     out = {k: v for k, v in weights.items() if ".block." not in k}

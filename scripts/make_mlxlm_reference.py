@@ -33,8 +33,8 @@ tests/fixtures/mlxlm_reference/
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
   gemma3_softcap/ gemma3_text/'s shape with `final_logit_softcapping` set (transformers applies it)
-  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/  families mlx-spec runs through
-              mlx-lm's forward, whole (`WHOLE`)
+  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/, nemotron_h/  families mlx-spec runs
+              through mlx-lm's forward, whole (`WHOLE`)
 Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
 transformers computed after it (reference.npz).
 """
@@ -129,6 +129,14 @@ WHOLE = {
         mamba_expand=2, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_conv_bias=True,
         mamba_proj_bias=False, position_embedding_type="nope", embedding_multiplier=2.0, logits_scaling=3.0,
         residual_multiplier=0.5, attention_multiplier=0.25, tie_word_embeddings=True)),
+    # Nemotron-H (NVIDIA-Nemotron-3-Nano's form): Mamba-2, attention (no positions), MLP and mixture-of-experts
+    # blocks, each its own layer (only Mamba-2 and attention keep a cache); the backbone as `backbone.*`
+    "nemotron_h": ("nemotron_h", dict(
+        layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "moe"], intermediate_size=96,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, expand=2,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=1.5, layer_norm_epsilon=1e-5, tie_word_embeddings=False)),
 }
 
 

@@ -33,7 +33,7 @@ FAMILIES = ("qwen3_moe", "mimo", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "ge
             "qwen3_5_moe", "deepseek_v3")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # State beside keys and values, rolled back from a tape: recurrences, LFM2's convolution windows, Mamba-2
-ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe", "granitemoehybrid")
+ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h")
 GREEDY = SamplingParams()
 
 
@@ -265,7 +265,7 @@ def test_an_mlx_quantized_moe_loads_quantized(tmp_path):
     config.json, QuantizedSwitchLinear experts): loaded quantized, greedy-identical with a drafter."""
     from mlx_lm.utils import load_model as mlx_lm_load, quantize_model, save_config, save_model
 
-    from mlx_spec.models.mlxlm import mlx_lm_config
+    from mlx_spec.models.config import mlx_lm_config
 
     config = mlx_lm_config(json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text()))
     inner, _ = mlx_lm_load(FIXTURES / "qwen3_moe", model_config=config)

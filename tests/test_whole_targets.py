@@ -1,8 +1,8 @@
 """Families mlx-spec runs through mlx-lm's forward, whole (mlx_spec/models/whole.py): Gemma 4
 (per-layer inputs, keys and values shared across layers, a final softcap), Gemma 2 (softcaps),
 GLM-4.5's mixture of experts, LFM2, dense and mixture of experts (short convolutions beside
-attention) and Granite 4.0-H (Mamba-2 layers beside attention), each a tiny checkpoint transformers
-saved, checked against the tokens and logits transformers computed on it
+attention), Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention), each a tiny checkpoint
+transformers saved, checked against the tokens and logits transformers computed on it
 (scripts/make_mlxlm_reference.py, `WHOLE`); every chain drafter, the feature-reading ones included,
 greedy-identical to plain; speculative sampling distributed as the target's own; what needs the
 layers apart refused in one line."""
@@ -28,7 +28,7 @@ from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart
 from test_mlxlm_targets import FIXTURES, assert_is_transformers, chain_drafter, families, seeded
 from test_speculative import resample_from_target
 
-WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe", "granitemoehybrid")
+WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h")
 GREEDY = SamplingParams()
 
 
@@ -105,6 +105,10 @@ TINY = {
                              shared_intermediate_size=32, mamba_n_heads=4, mamba_d_head=16, mamba_proj_bias=False,
                              mamba_d_state=8, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
                              position_embedding_type="nope"),
+    "nemotron_h": dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                       attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+                       ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+                       use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-"]),
 }
 
 

@@ -43,7 +43,7 @@ def text_args(config: dict, where: str):
     """The assistant's layers' shape, as mlx-lm's Gemma 4 reads it: every layer shares its keys and values."""
     from mlx_lm.models import gemma4_text
 
-    from mlx_spec.models.mlxlm import mlx_lm_config
+    from mlx_spec.models.config import mlx_lm_config
 
     if config.get("model_type") not in TYPES:
         raise UserError(f"{where}: model_type must be one of {', '.join(TYPES)}, got {config.get('model_type')!r}")

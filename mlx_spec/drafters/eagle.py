@@ -312,7 +312,7 @@ class Eagle(RowStates):
         tokens = mx.array([c[start + 1 : start + 1 + m] + [0] * (S - m)  # the token after each slot's
                            for c, start, m in zip(contexts, self.committed, n)])
         cache = self.cache[0]
-        x = self.net(f, self.target.model.embed_tokens(tokens), cache, mask=cache.make_mask(S))
+        x = self.net(f, self.target.embed_tokens(tokens), cache, mask=cache.make_mask(S))
         for b, m in enumerate(n):
             self.committed[b] += m
             cache.cut(b, self.committed[b])
@@ -336,7 +336,7 @@ class Eagle(RowStates):
         cache = self.cache[0]
         if mask is None:
             mask = cache.make_mask(tokens.shape[1])
-        return self.net(feature, self.target.model.embed_tokens(tokens), cache, positions, mask)
+        return self.net(feature, self.target.embed_tokens(tokens), cache, positions, mask)
 
     def _chain(self, ahead: mx.array, ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         x = ahead[:, None]  # [B, 1, H]

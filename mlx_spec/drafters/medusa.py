@@ -77,7 +77,7 @@ class MedusaHeads(nn.Module):
 
     def init_from_target(self, target: Model) -> None:
         """Start every head as the target's LM head (blocks at zero: z = h)."""
-        lm = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
+        lm = target.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
         for head in self.heads:
             for block in head[:-1]:
                 block.linear.weight = mx.zeros_like(block.linear.weight)

@@ -63,7 +63,7 @@ def mlx_lm_block(config: dict) -> nn.Module:
     attention, partial rotary embeddings), DeepSeek-V3's mixture-of-experts layer (latent attention)."""
     from mlx_lm.models import deepseek_v3, qwen3_5, qwen3_next
 
-    from mlx_spec.models.mlxlm import mlx_lm_config
+    from mlx_spec.models.config import mlx_lm_config
 
     fields = mlx_lm_config(config)
     if config["model_type"] == "deepseek_v3":
@@ -118,7 +118,8 @@ class MTPNet(nn.Module):
         super().__init__()
         theirs = config.get("model_type") in MLX_LM_BLOCKS  # the block is mlx-lm's layer
         if theirs:
-            from mlx_spec.models.mlxlm import TargetArgs, mlx_lm_config
+            from mlx_spec.models.config import mlx_lm_config
+            from mlx_spec.models.mlxlm import TargetArgs
 
             self.args = args = TargetArgs.of(mlx_lm_config(config), 1)
         else:
@@ -212,7 +213,7 @@ class MTP(RowStates):
         ids, _ = padded([t[None, :, None] if t is not None else None for t in tokens], h.shape[1])
         cache = self.cache[k]
         before = list(cache.lengths)
-        x = self.net.layers[k](h, self.target.model.embed_tokens(ids[..., 0]), cache, cache.make_mask(h.shape[1]))
+        x = self.net.layers[k](h, self.target.embed_tokens(ids[..., 0]), cache, cache.make_mask(h.shape[1]))
         for b, (start, m) in enumerate(zip(before, n)):
             cache.cut(b, start + m)
         return [x[b : b + 1, :m] if m else None for b, m in enumerate(n)]

@@ -3,6 +3,12 @@
 Configs written by transformers 4 (`rope_theta` at the top level, scaling in
 `rope_scaling` with `type` or `rope_type`) and by transformers 5 (everything in
 `rope_parameters`) are both read.
+
+mlx-lm does not read every config as transformers writes it: transformers 5
+puts RoPE in `rope_parameters`, names the experts' count `num_local_experts`,
+writes infinities as `{"__float__": "Infinity"}` and renames some families'
+layer types, which mlx-lm's argument classes miss (falling back to a RoPE base
+of 10000, for one), so `mlx_lm_config` rewrites them first.
 """
 
 from __future__ import annotations
@@ -177,3 +183,66 @@ def parse_config(config: dict, source: str = "config.json") -> ModelArgs:
         sliding_window=window if window and window < context else None,
         extra=config,
     )
+
+
+# The family's whole config names layers that mlx-lm builds from a period (`sliding_window_pattern`,
+# `full_attention_interval`): the layer type every period-th layer has.
+PERIODIC = {"gemma3_text": ("sliding_window_pattern", "full_attention"),
+            "qwen3_next": ("full_attention_interval", "full_attention"),
+            "qwen3_5": ("full_attention_interval", "full_attention"),
+            "qwen3_5_moe": ("full_attention_interval", "full_attention")}
+
+
+def mlx_lm_config(config: dict) -> dict:
+    """`config` as mlx-lm's argument classes read it (see the module docstring); a
+    `text_config` inside (Qwen3.5's published form) likewise."""
+    out = {k: _number(v) for k, v in config.items()}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = mlx_lm_config({"model_type": out["model_type"], **out["text_config"]})
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict):
+        if "full_attention" in rope:  # per layer type (Gemma 3): the local layers' base apart
+            out.setdefault("rope_local_base_freq", rope.get("sliding_attention", {}).get("rope_theta"))
+            rope = rope["full_attention"]
+        rope = dict(rope)
+        out.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
+        if "partial_rotary_factor" in rope:
+            out.setdefault("partial_rotary_factor", rope.pop("partial_rotary_factor"))
+        kind = rope.pop("rope_type", rope.pop("type", "default"))
+        if kind != "default" and out.get("rope_scaling") is None:
+            out["rope_scaling"] = {"type": kind, "rope_type": kind, **rope}
+        out.setdefault("rope_scaling", None)  # (transformers 5 keeps none apart; some mlx-lm families require it)
+    per_layer = out.get("per_layer_config")  # newer transformers write Gemma 4's global_head_dim so
+    if isinstance(per_layer, dict) and "global_head_dim" not in out and isinstance(out.get("layer_types"), list):
+        full = [v.get("head_dim") for i, v in per_layer.items() if out["layer_types"][int(i)] == "full_attention"]
+        if full and full[0]:
+            out["global_head_dim"] = full[0]
+    if "num_local_experts" in out:
+        out.setdefault("num_experts", out["num_local_experts"])
+    if out.get("model_type") == "granitemoehybrid":
+        out.setdefault("time_step_limit", (0.0, float("inf")))  # transformers' default (mlx-lm's is narrower)
+        if isinstance(out.get("layer_types"), list):  # transformers 5's names for the published "mamba", "attention"
+            names = {"linear_attention": "mamba", "full_attention": "attention"}
+            out["layer_types"] = [names.get(t, t) for t in out["layer_types"]]
+    if out.get("model_type") == "lfm2":  # transformers 5 writes no `block_dim` (the hidden size), which mlx-lm needs
+        out.setdefault("block_dim", out.get("hidden_size"))
+    period = PERIODIC.get(out.get("model_type"))
+    if period and isinstance(out.get("layer_types"), list):
+        field, kind = period
+        types_ = out["layer_types"]
+        every = next((p for p in range(1, len(types_) + 1)
+                      if all((t == kind) == ((i + 1) % p == 0) for i, t in enumerate(types_))), None)
+        if every is None:
+            raise UserError(f"config.json: layer_types {types_}: mlx-lm builds {out['model_type']} with a "
+                            f"'{kind}' layer every {field} layers, which these are not")
+        out[field] = every
+    return out
+
+
+def _number(value):
+    """A config value with the non-finite numbers transformers 5 writes as `{"__float__": "Infinity"}` read."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        return [_number(v) for v in value]
+    return value

@@ -239,7 +239,7 @@ class Model(nn.Module):
 
     def embed(self, tokens: mx.array) -> mx.array:
         """`[B, S]` -> `[B, S, H]`."""
-        return self.model.embed_tokens(tokens)
+        return self.embed_tokens(tokens)
 
     def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:
         """Layer i over `h` `[B, S, H]`."""
@@ -250,6 +250,10 @@ class Model(nn.Module):
         return self.unembed(self.final_norm(h))
 
     @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
     def final_norm(self) -> nn.Module:
         """The norm between the last layer and the LM head (heads drafters and EAGLE read through it)."""
         return self.model.norm
@@ -257,7 +261,7 @@ class Model(nn.Module):
     def unembed(self, h: mx.array) -> mx.array:
         """The LM head alone, on already normed states."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
+            return self.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
     def __call__(

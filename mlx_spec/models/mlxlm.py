@@ -8,11 +8,6 @@ write and roll back in it), the final norm and LM head for heads drafters.
 Only the loop over the layers is mlx-spec's: mlx-lm's model `__call__` would
 hide the states between layers.
 
-mlx-lm does not read every config as transformers writes it: transformers 5
-puts RoPE in `rope_parameters` and names the experts' count
-`num_local_experts`, which mlx-lm's argument classes miss (falling back to a
-RoPE base of 10000), so `mlx_lm_config` rewrites them first.
-
 Per family, what mlx-spec gives mlx-lm's modules beside the loop: each layer's
 mask (full, a sliding window, or none for a linear-attention layer), Gemma's
 embedding scale as transformers computes it, transformers' YaRN where mlx-lm
@@ -39,7 +34,7 @@ from mlx.utils import tree_flatten
 from mlx_spec.attention import TreeMask, causal_array
 from mlx_spec.cache import KVCache, RecurrentCache
 from mlx_spec.errors import UserError
-from mlx_spec.models.config import check_fields
+from mlx_spec.models.config import check_fields, mlx_lm_config
 from mlx_spec.models.dtypes import cast_floating
 from mlx_spec.models.llama import Model as LlamaModel, default_mask
 from mlx_spec.models.rope import SUPPORTED, RoPE, at_positions
@@ -60,12 +55,6 @@ FAMILIES = {
 }
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # linear-attention layers beside attention: chains only
 RECURRENT = "recurrent"  # a layer kind: linear attention, no mask, a RecurrentCache
-# The family's whole config names layers that mlx-lm builds from a period (`sliding_window_pattern`,
-# `full_attention_interval`): the layer type every period-th layer has.
-PERIODIC = {"gemma3_text": ("sliding_window_pattern", "full_attention"),
-            "qwen3_next": ("full_attention_interval", "full_attention"),
-            "qwen3_5": ("full_attention_interval", "full_attention"),
-            "qwen3_5_moe": ("full_attention_interval", "full_attention")}
 SCALED_EMBEDDING = ("gemma3_text", "gemma2", "gemma4", "gemma4_text")  # embeddings times sqrt(hidden size)
 ARRAY_MASKS = ("deepseek_v3",)  # attention that applies the mask itself: a boolean array, never "causal"
 
@@ -123,61 +112,6 @@ def _routed(config: dict) -> tuple[int, int] | None:
     experts = config.get("num_experts") or config.get("n_routed_experts")
     per_token = config.get("num_experts_per_tok")
     return (int(per_token), int(experts)) if experts and per_token else None
-
-
-def mlx_lm_config(config: dict) -> dict:
-    """`config` as mlx-lm's argument classes read it (see the module docstring); a
-    `text_config` inside (Qwen3.5's published form) likewise."""
-    out = {k: _number(v) for k, v in config.items()}
-    if isinstance(out.get("text_config"), dict):
-        out["text_config"] = mlx_lm_config({"model_type": out["model_type"], **out["text_config"]})
-    rope = out.get("rope_parameters")
-    if isinstance(rope, dict):
-        if "full_attention" in rope:  # per layer type (Gemma 3): the local layers' base apart
-            out.setdefault("rope_local_base_freq", rope.get("sliding_attention", {}).get("rope_theta"))
-            rope = rope["full_attention"]
-        rope = dict(rope)
-        out.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
-        if "partial_rotary_factor" in rope:
-            out.setdefault("partial_rotary_factor", rope.pop("partial_rotary_factor"))
-        kind = rope.pop("rope_type", rope.pop("type", "default"))
-        if kind != "default" and out.get("rope_scaling") is None:
-            out["rope_scaling"] = {"type": kind, "rope_type": kind, **rope}
-        out.setdefault("rope_scaling", None)  # (transformers 5 keeps none apart; some mlx-lm families require it)
-    per_layer = out.get("per_layer_config")  # newer transformers write Gemma 4's global_head_dim so
-    if isinstance(per_layer, dict) and "global_head_dim" not in out and isinstance(out.get("layer_types"), list):
-        full = [v.get("head_dim") for i, v in per_layer.items() if out["layer_types"][int(i)] == "full_attention"]
-        if full and full[0]:
-            out["global_head_dim"] = full[0]
-    if "num_local_experts" in out:
-        out.setdefault("num_experts", out["num_local_experts"])
-    if out.get("model_type") == "granitemoehybrid":
-        out.setdefault("time_step_limit", (0.0, float("inf")))  # transformers' default (mlx-lm's is narrower)
-        if isinstance(out.get("layer_types"), list):  # transformers 5's names for the published "mamba", "attention"
-            names = {"linear_attention": "mamba", "full_attention": "attention"}
-            out["layer_types"] = [names.get(t, t) for t in out["layer_types"]]
-    if out.get("model_type") == "lfm2":  # transformers 5 writes no `block_dim` (the hidden size), which mlx-lm needs
-        out.setdefault("block_dim", out.get("hidden_size"))
-    period = PERIODIC.get(out.get("model_type"))
-    if period and isinstance(out.get("layer_types"), list):
-        field, kind = period
-        types_ = out["layer_types"]
-        every = next((p for p in range(1, len(types_) + 1)
-                      if all((t == kind) == ((i + 1) % p == 0) for i, t in enumerate(types_))), None)
-        if every is None:
-            raise UserError(f"config.json: layer_types {types_}: mlx-lm builds {out['model_type']} with a "
-                            f"'{kind}' layer every {field} layers, which these are not")
-        out[field] = every
-    return out
-
-
-def _number(value):
-    """A config value with the non-finite numbers transformers 5 writes as `{"__float__": "Infinity"}` read."""
-    if isinstance(value, dict) and set(value) == {"__float__"}:
-        return float(value["__float__"])
-    if isinstance(value, list):
-        return [_number(v) for v in value]
-    return value
 
 
 def _layer_kinds(text: nn.Module, config: dict) -> list:
@@ -382,7 +316,7 @@ class MLXLMTarget(LlamaModel):
         shape = mlx_lm_config(config)
         shape = {**shape.get("text_config", {}), **{k: v for k, v in shape.items() if k != "text_config"}} \
             if "text_config" in shape else shape
-        self.args = TargetArgs.of(shape, len(text.model.layers))
+        self.args = TargetArgs.of(shape, len(self.model.layers))
         self.args.tie_word_embeddings = "lm_head" not in text
         self._embed_scale = shape["hidden_size"] ** 0.5 if self.model_type in SCALED_EMBEDDING else None
         self.softcap = shape.get("final_logit_softcapping")  # transformers' tanh cap on the logits, where set
@@ -415,14 +349,10 @@ class MLXLMTarget(LlamaModel):
     @property
     def lm_head(self) -> nn.Module:
         text = self._text
-        return text.lm_head if "lm_head" in text else text.model.embed_tokens
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
+        return text.lm_head if "lm_head" in text else self.embed_tokens
 
     def embed(self, tokens: mx.array) -> mx.array:
-        h = self.model.embed_tokens(tokens)
+        h = self.embed_tokens(tokens)
         if self._embed_scale is None:
             return h
         return h * mx.array(self._embed_scale, dtype=h.dtype)  # as transformers: sqrt(H) in the weights' dtype

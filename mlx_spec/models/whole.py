@@ -2,21 +2,22 @@
 
 The targets in `llama.py` and `mlxlm.py` run the layers one by one themselves,
 which lets them verify trees, exit early (LayerSkip) and verify exactly. A
-family they do not know (Gemma 4's per-layer inputs and shared keys and values,
-Gemma 2's soft-capped logits, GLM-4-MoE, ...) runs here through mlx-lm's own
-model `__call__`, untouched: it is handed mlx-spec's KV cache (which speaks
-mlx-lm's cache protocol: masks per row, trim), one per cache mlx-lm's
-`make_cache` would make, and each of its layers is wrapped so that the hidden
-state entering it is captured for the drafters that read the target's features.
-What mlx-lm does between the layers is then whatever the family does. A
-target verifies chains (the family's attention takes no per-token positions),
-with no early exit and no exact verification. A family whose layers keep a
-short convolution's last inputs beside keys and values (LFM2), and a state
-space model's state (Granite 4.0-H's Mamba-2 layers), has both taped as a
-Gated DeltaNet's are (`cache.RecurrentCache`): a cut takes the window ending at
-the last kept token and replays the state space model over the kept tokens.
-Any other state (a recurrence mlx-spec has no replay for) is refused: mlx-spec
-could not roll it back.
+family they do not know (Gemma 4's per-layer inputs and shared keys and
+values, Gemma 2's soft-capped logits, GLM-4-MoE, ...) runs here through
+mlx-lm's own model `__call__`, untouched: it is handed mlx-spec's KV cache
+(which speaks mlx-lm's cache protocol: masks per row, trim), one per cache
+mlx-lm's `make_cache` would make, and each of its layers is wrapped so that
+the hidden state entering it is captured for the drafters that read the
+target's features. What mlx-lm does between the layers is then whatever the
+family does. A target verifies chains (the family's attention takes no
+per-token positions), with no early exit and no exact verification. A family
+whose layers keep a short convolution's last inputs beside keys and values
+(LFM2), and a state space model's state (Granite 4.0-H's and Nemotron-H's
+Mamba-2 layers), has both taped as a Gated DeltaNet's are
+(`cache.RecurrentCache`): a cut takes the window ending at the last kept token
+and replays the state space model over the kept tokens. Any other state (a
+recurrence mlx-spec has no replay for) is refused: mlx-spec could not roll it
+back.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import mlx.nn as nn
 
 from mlx_spec.cache import KVCache, RecurrentCache, RowOf
 from mlx_spec.errors import UserError
-from mlx_spec.models.config import check_fields
+from mlx_spec.models.config import check_fields, mlx_lm_config
 from mlx_spec.models.dtypes import cast_floating
-from mlx_spec.models.mlxlm import MLXLMTarget, classes, mlx_lm_config
+from mlx_spec.models.mlxlm import MLXLMTarget, classes
 
 # model_type -> what it is; each checked against transformers' logits and greedy tokens (tests/test_whole_targets.py)
 CHECKED = {
@@ -44,13 +45,17 @@ CHECKED = {
     "lfm2": "LiquidAI LFM2 / LFM2.5 (short gated convolutions beside attention layers)",
     "lfm2_moe": "LiquidAI LFM2 mixture of experts (LFM2-8B-A1B)",
     "granitemoehybrid": "IBM Granite 4.0-H (Mamba-2 layers beside attention, mixture of experts)",
+    "nemotron_h": "NVIDIA Nemotron-H / Nemotron 3 Nano (Mamba-2, attention, MLP and mixture-of-experts blocks)",
 }
 # Families whose layers keep, beside keys and values, a convolution's last inputs and, in Mamba-2 layers,
 # a state space model's state (mlx-lm's `ArraysCache`): model_type -> (the module of such a layer that
 # reads and writes them, the name of its convolution). Both are taped and cut back (`_tape_state`).
-TAPED = {"lfm2": ("conv", "conv"), "lfm2_moe": ("conv", "conv"), "granitemoehybrid": ("mamba", "conv1d")}
-# model_type -> the name of its final norm, where it is not `norm`
-FINAL_NORM = {"lfm2": "embedding_norm", "lfm2_moe": "embedding_norm"}
+TAPED = {"lfm2": ("conv", "conv"), "lfm2_moe": ("conv", "conv"), "granitemoehybrid": ("mamba", "conv1d"),
+         "nemotron_h": ("mixer", "conv1d")}
+# model_type -> mlx-lm's names for the parts drafters read, where they are not Llama's (`model`, and in it
+# `embed_tokens` and the final `norm`)
+NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_norm"},
+         "nemotron_h": {"model": "backbone", "embed_tokens": "embeddings", "norm": "norm_f"}}
 # Families whose attention takes a batch's per-row masks (`[B, 1, S, L]`), checked with rows of a batch
 # (tests/test_whole_targets.py); the others run a batch's rows one forward each (mlx-lm's gemma2, with
 # grouped queries, broadcasts such a mask across heads wrongly).
@@ -135,21 +140,35 @@ class WholeTarget(MLXLMTarget):
     def _prepare(self, text: nn.Module, shape: dict) -> None:
         from mlx_lm.models.cache import KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
 
-        for i, layer in enumerate(text.model.layers):
-            _capture(layer, i, i == len(text.model.layers) - 1)
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            _capture(layer, i, i == len(layers) - 1)
         kept = make_prompt_cache(self.inner)
-        self.caches = len(kept)  # mlx-lm's count (Gemma 4's shared layers have none)
-        self.stateful = {i for i, c in enumerate(kept) if not isinstance(c, (MLXLMCache, RotatingKVCache))}
-        for i in self.stateful:  # (a family with such state keeps one cache a layer)
+        self.caches = len(kept)  # mlx-lm's count (Gemma 4's shared layers, Nemotron-H's MLP blocks have none)
+        self.stateful = {j for j, c in enumerate(kept) if not isinstance(c, (MLXLMCache, RotatingKVCache))}
+        if self.stateful:  # the k-th such cache is the k-th stateful module's, in layer order
             module, conv = TAPED[self.model_type]
-            _tape_state(text.model.layers[i][module], conv, i)
+            owners = [layer[module] for layer in layers if module in layer and conv in layer[module]]
+            for j, owner in zip(sorted(self.stateful), owners):
+                _tape_state(owner, conv, j)
 
     def make_cache(self, rows: int = 1) -> list:
         return [RecurrentCache(rows) if i in self.stateful else KVCache(rows) for i in range(self.caches)]
 
+    def _named(self, part: str) -> str:
+        return NAMES.get(self.model_type, {}).get(part, part)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._text[self._named("model")]
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model[self._named("embed_tokens")]
+
     @property
     def final_norm(self) -> nn.Module:
-        return self.model[FINAL_NORM.get(self.model_type, "norm")]
+        return self.model[self._named("norm")]
 
     def masks(self, *args, **kwargs) -> list:
         self._whole()

@@ -79,7 +79,7 @@ def dflash_loss(net: DFlashNet, target: Model, tokens: mx.array, mask: mx.array,
     ids = mx.broadcast_to(mx.array(settings["mask_token_id"]), (B, n, block))
     first = mx.take_along_axis(tokens, anchors, axis=1)  # [B, n]: the anchors' tokens
     ids = mx.concatenate([first[:, :, None], ids[:, :, 1:]], axis=2).reshape(B, n * block)
-    x = mx.stop_gradient(target.model.embed_tokens(ids))  # [B, nb, H]
+    x = mx.stop_gradient(target.embed_tokens(ids))  # [B, nb, H]
     for i, layer in enumerate(net.layers):
         attn = layer.self_attn
         kc, vc = attn.keys_values(ctx, 0)  # context at positions 0..S-1

@@ -63,7 +63,7 @@ def ttt_loss(net: EagleNet, target: Model, tokens: mx.array, mask: mx.array, ste
         feats = mx.concatenate(hidden, axis=-1)
     feats, logits_t = mx.stop_gradient(feats), mx.stop_gradient(logits_t)
     S = tokens.shape[1] - 1  # slot s: feature of token s, embedding of token s + 1
-    embedding = mx.stop_gradient(target.model.embed_tokens(tokens[:, 1:]))  # [B, S, H]
+    embedding = mx.stop_gradient(target.embed_tokens(tokens[:, 1:]))  # [B, S, H]
     # Slot s predicts token s + 2: the target's distribution at position s + 1.
     teacher = logits_t[:, 1:].astype(mx.float32)  # [B, S, V]
     if draft_ids is not None:
@@ -125,7 +125,7 @@ def acceptance(net: EagleNet, target: Model, batches, n_batches: int) -> dict[st
         tokens, m = batch["tokens"], batch["mask"][:, 1:].astype(mx.float32)
         logits_t, hidden = target(tokens, capture=_capture(net, target))
         feats = target.final_norm(hidden[0]) if net.version == 1 else mx.concatenate(hidden, axis=-1)
-        x = net(feats[:, :-1], target.model.embed_tokens(tokens[:, 1:]), mask="causal")
+        x = net(feats[:, :-1], target.embed_tokens(tokens[:, 1:]), mask="causal")
         p = mx.softmax(net.logits(x, target), axis=-1)
         q = mx.softmax(logits_t[:, 1:], axis=-1)
         match += ((mx.argmax(p, -1) == mx.argmax(q, -1)) * m).sum().item()
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         net = EagleNet(config)
         net.d2t = mx.array(used - np.arange(size), dtype=mx.int32)
         # Start the drafter's head and norm from the target's: the same tokens, the same scale.
-        full = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
+        full = target.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
         net.lm_head.weight = full[mx.array(used)]
         net.norm.weight = mx.array(target.final_norm.weight)
         net.freeze(keys=["d2t"])

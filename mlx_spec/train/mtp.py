@@ -31,7 +31,7 @@ def mtp_loss(net: MTPNet, target: Model, tokens: mx.array, mask: mx.array, weigh
     logits_t, (hidden,) = target(tokens, capture=(target.args.num_hidden_layers,))
     h = mx.stop_gradient(target.final_norm(hidden))  # [B, S, H]
     logits_t = mx.stop_gradient(logits_t).astype(mx.float32)
-    embedding = mx.stop_gradient(target.model.embed_tokens(tokens))
+    embedding = mx.stop_gradient(target.embed_tokens(tokens))
     S = tokens.shape[1]
     total = mx.array(0.0)
     for k, module in enumerate(net.layers, start=1):
