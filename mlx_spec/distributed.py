@@ -371,6 +371,23 @@ def _end(message: str | None) -> None:
 
 _LINE_END = re.compile(rb"(?<=[\r\n])")  # (a progress bar's \r too)
 _ERROR = b"mlx-spec: error: "
+# What MLX's ring backend writes of a failed socket call. It writes a message in pieces ("[ring]", " Sending to
+# socket", " 4", " failed with errno", " 104") from several threads, so a line can hold pieces of two of them,
+# or the last number of one alone.
+_RING = re.compile(rb"\[ring\]|failed with errno|^ \d+\s*$")
+
+
+def passed(line: bytes, rank: int) -> bytes | None:
+    """What rank `rank`'s filtered stderr passes of `line`: none of the ring backend's words, on ranks but 0
+    only error lines, each naming its rank."""
+    at = line.find(_ERROR)
+    if at > 0 and _RING.search(line[:at]):  # the ring's pieces ahead of an error line
+        line, at = line[at:], 0
+    if at < 0 and _RING.search(line):
+        return None
+    if rank:
+        return _ERROR + f"rank {rank}: ".encode() + line[len(_ERROR):] if at == 0 else None
+    return line
 
 
 def _filter_stderr(rank: int, real: int) -> threading.Thread:
@@ -384,13 +401,8 @@ def _filter_stderr(rank: int, real: int) -> threading.Thread:
         rest = b""
         while chunk := os.read(read, 1 << 16):
             *lines, rest = _LINE_END.split(rest + chunk)
-            for line in lines:
-                if line.startswith(b"[ring]"):
-                    continue
-                if rank and line.startswith(_ERROR):
-                    os.write(real, _ERROR + f"rank {rank}: ".encode() + line[len(_ERROR):])
-                elif rank == 0:
-                    os.write(real, line)
+            for line in filter(None, (passed(line, rank) for line in lines)):
+                os.write(real, line)
         os.close(read)
 
     thread = threading.Thread(target=forward, daemon=True)

@@ -170,6 +170,23 @@ def assert_stopped_for_a_lost_rank(survivor, took: float, timeout: int) -> None:
         "the run stops"), survivor.stderr
 
 
+def test_the_ring_backends_words_are_kept_from_stderr():
+    """MLX's ring backend writes each failed socket call in pieces from several threads: whatever line its
+    pieces land in, none passes, nor the line of an error it lands ahead of; the run's own lines do (on the
+    other ranks, error lines only, naming the rank)."""
+    from mlx_spec.distributed import passed
+
+    error = b"mlx-spec: error: rank 0: lost the connection to another rank\n"
+    ring = [b"[ring] Sending to socket 4 failed with errno 104\n", b"[ring][ring] Receiving from socket 5\n",
+            b" Sending to socket 4 failed with errno 104\n", b" 104\n", b"[ring] Recv failed with errno=104\n"]
+    for rank in (0, 1):
+        assert [passed(line, rank) for line in ring] == [None] * len(ring)
+    assert passed(b"[ring] Sending to socket" + error, 0) == error
+    assert passed(error, 1) == b"mlx-spec: error: rank 1: rank 0: lost the connection to another rank\n"
+    assert passed(b"[####......] 40% 0:01 elapsed\r", 0) == b"[####......] 40% 0:01 elapsed\r"
+    assert passed(b"[####......] 40% 0:01 elapsed\r", 1) is None
+
+
 def test_a_hung_rank_ends_the_other_within_the_timeout(tmp_path):
     procs = _long_run(tmp_path, 3)
     os.kill(procs[1].pid, signal.SIGSTOP)
