@@ -218,6 +218,58 @@ class RowOf(_Rows):
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 
+class LayerCaches(_Rows):
+    """The KV caches of a layer that keeps several (mlx-lm's `CacheList`: DeepSeek-V3.2's attention's and
+    its indexer's keys), `[i]` the i-th: every row's tokens in each, cut, kept and extended together."""
+
+    def __init__(self, caches: Sequence[KVCache]):
+        self.caches = list(caches)
+
+    def __getitem__(self, i: int) -> KVCache:
+        return self.caches[i]
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.caches[0].lengths
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        for c in self.caches:
+            c.lengths = list(lengths)
+
+    def cut(self, b: int, length: int) -> None:
+        for c in self.caches:
+            c.cut(b, length)
+
+    def keep(self, indices: Sequence[int], start: int, b: int = 0) -> None:
+        for c in self.caches:
+            c.keep(indices, start, b)
+
+    def extend(self, other: LayerCaches) -> None:
+        for c, o in zip(self.caches, other.caches):
+            c.extend(o)
+
+    def row(self, b: int) -> LayerCaches:
+        return LayerCaches([c.row(b) for c in self.caches])
+
+    def remove(self, b: int) -> None:
+        for c in self.caches:
+            c.remove(b)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for c in self.caches for a in c.state]
+
+
+def parts(cache: list) -> list:
+    """A target's caches, each layer's several (`LayerCaches`) one by one."""
+    return [c for layer in cache for c in (layer.caches if isinstance(layer, LayerCaches) else [layer])]
+
+
 # The tape holds the last forwards of at most this many tokens in all (verifications, decoding
 # steps, LayerSkip's drafts one token at a time); a longer forward (a prompt) clears it, and
 # cannot be cut into.

@@ -39,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.cache import KVCache, RecurrentCache, rewound
+from mlx_spec.cache import KVCache, RecurrentCache, parts, rewound
 from mlx_spec.drafters.base import Drafter, common_prefix
 from mlx_spec.errors import UserError
 
@@ -139,7 +139,7 @@ class PrefixCache:
 
     def _write(self, tokens: list[int], cache: list) -> None:
         arrays, kinds = {}, []
-        for i, c in enumerate(cache):
+        for i, c in enumerate(parts(cache)):
             n = c.lengths[0]
             if isinstance(c, RecurrentCache):
                 kinds.append("recurrent")
@@ -191,7 +191,9 @@ class PrefixCache:
             if meta.get("sha256") != _digest({k: v for k, v in meta.items() if k != "sha256"}, arrays):
                 raise ValueError("its checksum does not match")
             cache = fresh()
-            for i, (c, kind) in enumerate(zip(cache, json.loads(meta["kinds"]))):
+            if len(parts(cache)) != len(json.loads(meta["kinds"])):
+                raise ValueError("its layers are not this model's")
+            for i, (c, kind) in enumerate(zip(parts(cache), json.loads(meta["kinds"]))):
                 if kind == "recurrent":
                     for j in range(2):
                         c.arrays[j] = arrays.get(f"{i}.{j}")

@@ -33,7 +33,8 @@ tests/fixtures/mlxlm_reference/
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
   gemma3_softcap/ gemma3_text/'s shape with `final_logit_softcapping` set (transformers applies it)
-  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/, nemotron_h/  families mlx-spec runs
+  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/, nemotron_h/, deepseek_v32/
+              families mlx-spec runs
               through mlx-lm's forward, whole (`WHOLE`)
 Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
 transformers computed after it (reference.npz).
@@ -137,6 +138,13 @@ WHOLE = {
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=1.5, layer_norm_epsilon=1e-5, tie_word_embeddings=False)),
+    # DeepSeek-V3.2: DeepSeek-V3's multi-head latent attention and experts, and its sparse attention's indexer
+    # (keys of its own, a cache beside the attention's) choosing 16 keys a query: fewer than the text holds
+    "deepseek_v32": ("deepseek_v32", dict(
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8, index_n_heads=16, index_head_dim=16,
+        index_topk=16)),
 }
 
 

@@ -32,8 +32,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "mlxlm_reference"
 FAMILIES = ("qwen3_moe", "mimo", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "gemma3_text", "qwen3_next", "qwen3_5",
             "qwen3_5_moe", "deepseek_v3")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-# State beside keys and values, rolled back from a tape: recurrences, LFM2's convolution windows, Mamba-2
-ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h")
+# State beside keys and values, rolled back from a tape (recurrences, LFM2's convolution windows, Mamba-2), or
+# a layer's several caches (DeepSeek-V3.2's indexer's keys beside its attention's)
+ROLLED_BACK = (*HYBRID, "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "deepseek_v32")
 GREEDY = SamplingParams()
 
 

@@ -1,11 +1,12 @@
 """Families mlx-spec runs through mlx-lm's forward, whole (mlx_spec/models/whole.py): Gemma 4
 (per-layer inputs, keys and values shared across layers, a final softcap), Gemma 2 (softcaps),
 GLM-4.5's mixture of experts, LFM2, dense and mixture of experts (short convolutions beside
-attention), Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention), each a tiny checkpoint
-transformers saved, checked against the tokens and logits transformers computed on it
-(scripts/make_mlxlm_reference.py, `WHOLE`); every chain drafter, the feature-reading ones included,
-greedy-identical to plain; speculative sampling distributed as the target's own; what needs the
-layers apart refused in one line."""
+attention), Granite 4.0-H and Nemotron-H (Mamba-2 layers beside attention) and DeepSeek-V3.2 (its
+sparse attention's indexer keeping keys of its own), each a tiny checkpoint transformers saved,
+checked against the tokens and logits transformers computed on it (scripts/make_mlxlm_reference.py,
+`WHOLE`); every chain drafter, the feature-reading ones included, greedy-identical to plain;
+speculative sampling distributed as the target's own; what needs the layers apart refused in one
+line."""
 
 import json
 
@@ -28,7 +29,7 @@ from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart
 from test_mlxlm_targets import FIXTURES, assert_is_transformers, chain_drafter, families, seeded
 from test_speculative import resample_from_target
 
-WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h")
+WHOLE = ("gemma4_text", "gemma2", "glm4_moe", "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "deepseek_v32")
 GREEDY = SamplingParams()
 
 
@@ -109,6 +110,10 @@ TINY = {
                        attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
                        ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
                        use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-"]),
+    "deepseek_v32": dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, moe_intermediate_size=16,
+                         num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8,
+                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=16, index_head_dim=16,
+                         index_topk=6, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),
 }
 
 
@@ -171,3 +176,22 @@ def test_a_convolution_window_is_cut_to_the_kept_tokens():
         model(mx.array([kept]), alone)
         for i in windows:
             assert np.abs(np.array(cut[i].arrays[0][b]) - np.array(alone[i].arrays[0][0])).max() < 1e-5
+
+
+def test_a_layer_with_several_caches_is_kept_whole_on_disk(tmp_path):
+    """DeepSeek-V3.2's layers keep two caches (the attention's, the indexer's keys): a prompt cache entry
+    written to disk and read back by the next start holds both, and the next turn decoded from it is the
+    fresh run's."""
+    from mlx_spec.prefix import PrefixCache
+
+    model, _ = load_model(str(FIXTURES / "deepseek_v32"))
+    prompt = np.load(FIXTURES / "deepseek_v32" / "reference.npz")["prompt"].tolist()
+    cache = model.make_cache()
+    first = [t for e in plain_steps(model, prompt, GREEDY, 6, cache=cache) for t in e.tokens]
+    held = prompt + first[:-1]  # (the last token is not read yet)
+    PrefixCache(1 << 30, tmp_path, "deepseek_v32").store(held, cache, None)
+    turn = held + first[-1:] + [7, 8, 9]
+    n, kept, _ = PrefixCache(1 << 30, tmp_path, "deepseek_v32").lookup(turn, model.make_cache)
+    assert n == len(held) and all(len(c.caches) == 2 and c.lengths == [n] for c in kept)
+    fresh = [t for e in plain_steps(model, turn, GREEDY, 12) for t in e.tokens]
+    assert [t for e in plain_steps(model, turn, GREEDY, 12, cache=kept) for t in e.tokens] == fresh

@@ -31,7 +31,7 @@ from typing import NoReturn, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.cache import KVCache, RecurrentCache, RowOf
+from mlx_spec.cache import KVCache, LayerCaches, RecurrentCache, RowOf
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import check_fields, mlx_lm_config
 from mlx_spec.models.dtypes import cast_floating
@@ -46,6 +46,7 @@ CHECKED = {
     "lfm2_moe": "LiquidAI LFM2 mixture of experts (LFM2-8B-A1B)",
     "granitemoehybrid": "IBM Granite 4.0-H (Mamba-2 layers beside attention, mixture of experts)",
     "nemotron_h": "NVIDIA Nemotron-H / Nemotron 3 Nano (Mamba-2, attention, MLP and mixture-of-experts blocks)",
+    "deepseek_v32": "DeepSeek-V3.2 (latent attention, its sparse attention's indexer, mixture of experts)",
 }
 # Families whose layers keep, beside keys and values, a convolution's last inputs and, in Mamba-2 layers,
 # a state space model's state (mlx-lm's `ArraysCache`): model_type -> (the module of such a layer that
@@ -59,7 +60,7 @@ NAMES = {"lfm2": {"norm": "embedding_norm"}, "lfm2_moe": {"norm": "embedding_nor
 # Families whose attention takes a batch's per-row masks (`[B, 1, S, L]`), checked with rows of a batch
 # (tests/test_whole_targets.py); the others run a batch's rows one forward each (mlx-lm's gemma2, with
 # grouped queries, broadcasts such a mask across heads wrongly).
-BATCHED = ("gemma4_text", "gemma4", "glm4_moe", *TAPED)
+BATCHED = ("gemma4_text", "gemma4", "glm4_moe", "deepseek_v32", *TAPED)
 # The hidden states captured in the forward being run: layer index -> state entering it.
 _STATES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("states", default=None)
 # The states being taped in the forward being run: cache index -> its RecurrentCache.
@@ -138,14 +139,15 @@ class WholeTarget(MLXLMTarget):
     runs_apart = False
 
     def _prepare(self, text: nn.Module, shape: dict) -> None:
-        from mlx_lm.models.cache import KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache
 
         layers = self.model.layers
         for i, layer in enumerate(layers):
             _capture(layer, i, i == len(layers) - 1)
         kept = make_prompt_cache(self.inner)
         self.caches = len(kept)  # mlx-lm's count (Gemma 4's shared layers, Nemotron-H's MLP blocks have none)
-        self.stateful = {j for j, c in enumerate(kept) if not isinstance(c, (MLXLMCache, RotatingKVCache))}
+        self.stateful = {j for j, c in enumerate(kept) if type(c).__name__ == "ArraysCache"}
+        self.several = {j: len(c.caches) for j, c in enumerate(kept) if type(c).__name__ == "CacheList"}
         if self.stateful:  # the k-th such cache is the k-th stateful module's, in layer order
             module, conv = TAPED[self.model_type]
             owners = [layer[module] for layer in layers if module in layer and conv in layer[module]]
@@ -153,7 +155,9 @@ class WholeTarget(MLXLMTarget):
                 _tape_state(owner, conv, j)
 
     def make_cache(self, rows: int = 1) -> list:
-        return [RecurrentCache(rows) if i in self.stateful else KVCache(rows) for i in range(self.caches)]
+        return [RecurrentCache(rows) if i in self.stateful else
+                LayerCaches([KVCache(rows) for _ in range(self.several[i])]) if i in self.several else KVCache(rows)
+                for i in range(self.caches)]
 
     def _named(self, part: str) -> str:
         return NAMES.get(self.model_type, {}).get(part, part)
@@ -224,7 +228,7 @@ def implements(model_type: str) -> bool:
 
 def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -> WholeTarget:
     """The mlx-lm model in `path`, run whole (see the module docstring)."""
-    from mlx_lm.models.cache import ArraysCache, KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache as MLXLMCache, RotatingKVCache, make_prompt_cache
     from mlx_lm.utils import load_model as mlx_lm_load
 
     model_type = config.get("model_type")
@@ -237,9 +241,11 @@ def load(path: Path, config: dict, dtype: mx.Dtype | None, lazy: bool = False) -
     except (ValueError, TypeError, KeyError, FileNotFoundError, AttributeError) as e:
         raise UserError(f"{path / 'config.json'}: mlx-lm cannot build model_type '{model_type}' from it "
                         f"({' '.join(str(e).split())})") from None
-    kept = {type(c).__name__ for c in make_prompt_cache(inner)}
-    taped = {ArraysCache.__name__} if model_type in TAPED else set()
-    if kept - {MLXLMCache.__name__, RotatingKVCache.__name__} - taped:
+    caches = make_prompt_cache(inner)
+    listed = {type(m).__name__ for c in caches if isinstance(c, CacheList) for m in c.caches}  # (keys and values only)
+    kept = {type(c).__name__ for c in caches} | listed
+    keys = {MLXLMCache.__name__, RotatingKVCache.__name__}
+    if listed - keys or kept - keys - {CacheList.__name__} - ({ArraysCache.__name__} if model_type in TAPED else set()):
         raise UserError(f"{path}: a {model_type} model keeps state mlx-spec cannot roll back after a rejected "
                         f"draft ({', '.join(sorted(kept))}), beside keys and values")
     return WholeTarget(cast_floating(inner, dtype), config)
