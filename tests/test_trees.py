@@ -165,7 +165,11 @@ def test_medusa_greedy_is_token_identical_to_plain(target, tree_args):
         drafter = Medusa(heads, target, **tree_args)
         events = list(speculative_steps(target, prompt, GREEDY, max_tokens, drafter))
         assert tokens_of(events) == plain, (tree_args, prompt, max_tokens)
-    assert sum(e.accepted for e in events) > 0  # the heads did draft and get accepted
+    # The heads draft and get accepted (depth fixed: the policy, timing verifications on a loaded machine, may
+    # find drafting does not pay and decode plainly)
+    events = list(speculative_steps(target, PROMPTS[0], GREEDY, 40, Medusa(heads, target, **tree_args), num_draft=3))
+    assert tokens_of(events) == tokens_of(plain_steps(target, PROMPTS[0], GREEDY, 40))
+    assert sum(e.accepted for e in events) > 0
 
 
 # --- exact sampling on trees -----------------------------------------------------
