@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=integer(2), default=128)
     b.add_argument("--context", type=integer(0), default=0, metavar="N",
                    help="each prompt after a long file to edit, about N tokens in all (speed at long contexts)")
-    b.add_argument("--repeats", "--runs", type=integer(1), default=3, help="rounds over every prompt and method")
+    b.add_argument("--repeats", "--runs", type=integer(1), default=3,
+                   help="rounds over every prompt and method (the machine's costs are sampled in proportion)")
     b.add_argument("--temps", type=real(0), nargs="+", default=[0.0], help="temperatures to measure")
     b.add_argument("--no-chat-template", action="store_true", help="feed the prompts as raw text")
     add_alias(b, "--ignore-chat-template", "--no-chat-template", action="store_const", const=True)

@@ -105,7 +105,7 @@ def test_layerskip_fine_tune_makes_the_half_model_draft(stride_model, tmp_path):
         return math.exp(lm_loss(load_model(str(path))[0], rows).item())
 
     out = tmp_path / "tuned"
-    proc = cli("train", "layerskip", "--target", stride_model, "--data", data, "-o", out, "--steps", "100",
+    proc = cli("train", "layerskip", "--target", stride_model, "--data", data, "-o", out, "--steps", "40",
                "--batch-size", "16", "--seq-len", "48", "--lr", "1e-3", "--warmup", "10", "--quiet",
                env=_fast_blas_env())
     assert proc.returncode == 0, proc.stderr

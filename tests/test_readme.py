@@ -173,7 +173,7 @@ def test_the_speed_table_command(tmp_path):
     widen = command("python3 scripts/widen_demo.py widened").replace("scripts/", f"{ROOT}/scripts/")
     shell(f"{widen} --hidden 256 --heads 4 --intermediate 768 --layers 8", tmp_path, env)
     bench = command("mlx-spec bench --model widened/target")
-    out = shell(f"{bench} --num-prompts 1 --max-tokens 8 --temps 0 --concurrency 1 --no-mlx-lm", tmp_path, env)
+    out = shell(f"{bench} --num-prompts 1 --max-tokens 8 --repeats 1 --temps 0 --concurrency 1 --no-mlx-lm", tmp_path, env)
     assert "draft=widened/student" in out.stdout and "lookup" in out.stdout
 
 

@@ -139,8 +139,9 @@ def _machine(args: argparse.Namespace, model, rows: list[MethodRow], drafters: d
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "rows": reported,
-        "rollback": rollback_cost(model, prompts[0]),
-        "verification_ms": verification_curve(model, prompts[0], sorted({1, *sizes}), 8),
-        "round_overhead": round_overhead(model, prompts[0]),
+        # (as many samples of the machine's costs as the rows were asked to measure: 10 a repeat)
+        "rollback": rollback_cost(model, prompts[0], repeats=10 * args.repeats),
+        "verification_ms": verification_curve(model, prompts[0], sorted({1, *sizes}), 8, repeats=args.repeats + 2),
+        "round_overhead": round_overhead(model, prompts[0], rounds=10 * args.repeats),
         "shard": distributed.describe(),
     }
