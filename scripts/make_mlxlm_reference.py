@@ -33,7 +33,7 @@ tests/fixtures/mlxlm_reference/
               weights; the reference is transformers' Qwen2 on the same weights (MiMo's main
               model is Qwen2's; transformers has no MiMo class). rope_theta 640000, as MiMo's.
   gemma3_softcap/ gemma3_text/'s shape with `final_logit_softcapping` set (transformers applies it)
-  gemma4_text/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/, nemotron_h/, deepseek_v32/
+  gemma4_text/, gemma4/, gemma2/, glm4_moe/, lfm2/, lfm2_moe/, granitemoehybrid/, nemotron_h/, deepseek_v32/
               families mlx-spec runs
               through mlx-lm's forward, whole (`WHOLE`)
 Each holds the tokens of a fixed prompt, transformers' logits over it and the 24 greedy tokens
@@ -61,6 +61,9 @@ LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_
 QWEN3_5_TEXT = dict(SHAPE, num_hidden_layers=4, intermediate_size=96, **LINEAR)
 QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                       num_position_embeddings=16)
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                     position_embedding_size=64)
 CASES = {
     "qwen3_moe": ("qwen3_moe", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                                     num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -104,6 +107,9 @@ WHOLE = {
                                         layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
                                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
                                         global_head_dim=32, final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    # Gemma 4 as published (google/gemma-4-E2B-it's form): the same text model in `text_config` beside a vision
+    # tower (`model.vision_tower.*`, `model.embed_vision.*`, `model.language_model.*`); text-only references
+    "gemma4": ("gemma4", {}),
     # Gemma 2: attention and final logit softcaps (the window longer than the text: mlx-lm's gemma2 attends to all)
     "gemma2": ("gemma2", dict(intermediate_size=96, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0, sliding_window=4096, tie_word_embeddings=True)),
@@ -216,6 +222,11 @@ def mtp_module(weights: dict[str, torch.Tensor], layout: str, prefix: str, seed:
 
 
 def build(name: str, model_type: str, fields: dict) -> torch.nn.Module:
+    if name == "gemma4":
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+        text = {**SHAPE, **WHOLE["gemma4_text"][1]}
+        return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=GEMMA4_VISION))
     if name == "qwen3_5":
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 

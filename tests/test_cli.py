@@ -53,7 +53,7 @@ def test_doctor_reports_backend_and_blas():
     assert "targets   llama, mistral, qwen2, qwen3: every drafter, chains and trees" in out.stdout
     assert "qwen3_moe, mimo, mixtral, qwen2_moe, olmoe, gpt_oss, gemma3_text, deepseek_v3: every drafter, chains and trees" in out.stdout
     assert "qwen3_next, qwen3_5, qwen3_5_moe: every drafter, chains (linear-attention layers" in out.stdout
-    whole = "gemma4_text, gemma2, glm4_moe, lfm2, lfm2_moe, granitemoehybrid, nemotron_h, deepseek_v32"
+    whole = "gemma4_text, gemma4, gemma2, glm4_moe, lfm2, lfm2_moe, granitemoehybrid, nemotron_h, deepseek_v32"
     assert f"{whole}: chains, every drafter but layerskip and skip" in out.stdout
     assert "any other family mlx-lm implements" in out.stdout and "not checked against transformers" in out.stdout
     if sys.platform.startswith("linux"):

@@ -199,6 +199,8 @@ def mlx_lm_config(config: dict) -> dict:
     out = {k: _number(v) for k, v in config.items()}
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = mlx_lm_config({"model_type": out["model_type"], **out["text_config"]})
+        if "vocab_size" in out["text_config"]:  # mlx-lm's gemma4 gives its text model the top level's (or its own)
+            out.setdefault("vocab_size", out["text_config"]["vocab_size"])
     rope = out.get("rope_parameters")
     if isinstance(rope, dict):
         if "full_attention" in rope:  # per layer type (Gemma 3): the local layers' base apart

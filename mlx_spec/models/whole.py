@@ -40,6 +40,7 @@ from mlx_spec.models.mlxlm import MLXLMTarget, classes
 # model_type -> what it is; each checked against transformers' logits and greedy tokens (tests/test_whole_targets.py)
 CHECKED = {
     "gemma4_text": "Gemma 4 text models (sliding and full layers, shared keys and values, per-layer inputs, softcap)",
+    "gemma4": "Gemma 4 as published (its text model in `text_config`; the vision tower is not read)",
     "gemma2": "Gemma 2 (attention and final logit softcaps)",
     "glm4_moe": "GLM-4.5 / 4.6 mixture of experts",
     "lfm2": "LiquidAI LFM2 / LFM2.5 (short gated convolutions beside attention layers)",
