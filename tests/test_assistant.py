@@ -52,6 +52,15 @@ def test_a_batch_is_greedy_identical(target):
     assert_batch_is_greedy_identical(target, drafter, [[int(t) for t in p] for p in prompts], 20, 3)
 
 
+def test_gemma4_as_published_is_drafted_for():
+    """The multimodal form Google publishes (`gemma4`: the text model beside a vision tower) reads as the text
+    model does: the assistant drafts from its caches, greedy output identical to plain."""
+    published, _ = load_model(str(MLXLM / "gemma4"))
+    prompt = np.load(MLXLM / "gemma4" / "reference.npz")["prompt"].tolist()
+    drafter = make_drafter(f"assistant={REFERENCE / 'e2b'}", published)
+    assert_batch_is_greedy_identical(published, drafter, [prompt, prompt[:9]], 16, 3)
+
+
 def tiny_target(seed: int) -> WholeTarget:
     """A Gemma 4 text target of vocabulary V: a sliding layer (window 2) and a full one, each its own keys."""
     from mlx_lm.models import gemma4_text
