@@ -18,10 +18,21 @@ DFlash 2 (`DFlash2DraftModel`) converts the same way, its convolutions and
 candidate selector with it (the selector's bare codebooks named `.weight`), as
 do the scalings Gemma 4 and DFlash 2 drafts set in `dflash_config`.
 
-Refused, each in one line: speculators' DFlash layouts (`transformer_layer_config`),
-and a drafter's own `lm_head` or `embed_tokens`: DFlash uses the target's, and
-one a drafter ships may have been trained (vLLM then uses it), so dropping it
-is not known to be safe.
+The speculators format (vllm-project/speculators: `speculators_model_type`
+"dflash" or "dflash2", as RedHatAI publishes them) keeps the same tensors and
+another config: the draft layers' in `transformer_layer_config`, the rest at
+the top level, the target layers read as indices into transformers'
+`hidden_states` (`aux_hidden_state_layer_ids`: z-lab's ids + 1). It is written
+as z-lab's. Within a block, its sliding-window layers attend causally unless
+`sliding_window_non_causal` (then every layer attends both ways, as DFlash's
+full layers always do).
+
+Refused, each in one line: a drafter's own `lm_head` or `embed_tokens` (DFlash
+uses the target's, and one a drafter ships may have been trained: vLLM then
+uses it, so dropping it is not known to be safe), and so speculators' reduced
+draft vocabularies (`draft_vocab_size` below the target's, with `d2t`); its
+Domino projector, `shift_label` and `sample_from_anchor` (other drafts than
+DFlash's).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import mlx.core as mx
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
 from mlx_spec.weights import read_safetensors
-from mlx_spec.drafters.dflash import DFlash2Net, DFlashNet, check_dflash_fits, is_dflash2
+from mlx_spec.drafters.dflash import DFLASH2, DFlash2Net, DFlashNet, check_dflash_fits, is_dflash2
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
@@ -56,7 +67,8 @@ _BOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.success
 def detect(source: Source) -> bool:
     config = source.config
     architectures = " ".join(map(str, config.get("architectures") or [])).lower()
-    return "dflash" in architectures or "dflash_config" in config or config.get("speculators_model_type") == "dflash"
+    return "dflash" in architectures or "dflash_config" in config or \
+        config.get("speculators_model_type") in ("dflash", "dflash2")
 
 
 def fetch(source: Source) -> Path:
@@ -64,12 +76,34 @@ def fetch(source: Source) -> Path:
     return hub.resolve(source.name, source.revision, ["config.json", *WEIGHTS])
 
 
+def _from_speculators(published: dict, where: Path) -> dict:
+    """A speculators DFlash / DFlash 2 config as z-lab's (see the module docstring)."""
+    body, ids = published.get("transformer_layer_config"), published.get("aux_hidden_state_layer_ids")
+    if not isinstance(body, dict):
+        raise UserError(f"{where}: transformer_layer_config must hold the draft layers' config")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 1 for i in ids)):
+        raise UserError(f"{where}: aux_hidden_state_layer_ids must list the target's hidden states it reads (>= 1)")
+    for field, value in (("projector_type", "dflash"), ("shift_label", False), ("sample_from_anchor", False)):
+        if published.get(field, value) not in (value, None):
+            raise UserError(f"{where}: {field} {published[field]!r} drafts otherwise than DFlash; not supported")
+    vocab = published.get("draft_vocab_size")
+    if vocab is not None and vocab != body.get("vocab_size"):
+        raise UserError(f"{where}: draft_vocab_size {vocab} (a draft vocabulary of its own, mapped by d2t) is not "
+                        f"supported: DFlash drafts over the target's {body.get('vocab_size')} tokens")
+    extra = {"block_size": published.get("block_size"), "mask_token_id": published.get("mask_token_id"),
+             "target_layer_ids": [i - 1 for i in ids]}
+    if published.get("sliding_window_non_causal"):
+        extra["causal"] = False
+    if published.get("speculators_model_type") == "dflash2":
+        extra.update({k: published[k] for k in DFLASH2 if k in published})
+    name = "DFlash2DraftModel" if published.get("speculators_model_type") == "dflash2" else "DFlashDraftModel"
+    return {**body, "architectures": [name], "dflash_config": extra}
+
+
 def _config(published: dict, where: Path) -> dict:
     """The config to write, after refusing what DFlashNet cannot run."""
     if str(published.get("speculators_model_type")).startswith("dflash"):
-        raise UserError(
-            f"{where}: speculators' DFlash layout (transformer_layer_config) is not supported; convert z-lab's"
-        )
+        published = _from_speculators(published, where)
     extra = published.get("dflash_config") or {}
     if "target_layer_ids" not in extra and not published.get("num_target_layers"):
         raise UserError(

@@ -42,6 +42,36 @@ def test_drafts_are_mlx_vlms(target, monkeypatch):
     assert_rounds_are(ref, target, drafter, 4, logits, lambda r: np.array(r[0][0]), atol=2e-4)
 
 
+def test_the_speculators_layout_drafts_as_z_labs(target, tmp_path, monkeypatch):
+    """The same weights as vllm-project/speculators writes a DFlash 2 drafter (DFlash2Speculator, as
+    RedHatAI/Qwen3-4B-speculator.dflash2 is published: the draft layers' config nested, the convolution and
+    selector sizes at the top level, the target's hidden states by their index in transformers'
+    `hidden_states`, in-block attention both ways by default): converted on first use, the same rounds."""
+    zlab = json.loads((REFERENCE / "dflash2" / "config.json").read_text())
+    extra = zlab["dflash_config"]
+    config = {"architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2",
+              "transformer_layer_config": {k: v for k, v in zlab.items() if k not in ("architectures", "dflash_config",
+                                                                                   "num_target_layers", "is_causal")},
+              "draft_vocab_size": zlab["vocab_size"], "block_size": extra["block_size"],
+              "aux_hidden_state_layer_ids": [i + 1 for i in extra["target_layer_ids"]],
+              "mask_token_id": extra["mask_token_id"], "sliding_window_non_causal": True, "projector_type": "dflash",
+              "shift_label": False, "sample_from_anchor": False,
+              **{k: extra[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}}
+    src = tmp_path / "speculators"
+    shutil.copytree(REFERENCE / "dflash2", src)
+    (src / "config.json").write_text(json.dumps(config))
+    from mlx_spec.convert.first_use import ready
+
+    monkeypatch.setenv("MLX_SPEC_HOME", str(tmp_path / "home"))
+    drafter = make_drafter(f"dflash={src}", target, prepare=lambda kind, source, rev: ready(kind, source, rev, None,
+                                                                                          lambda line: None))
+    assert isinstance(drafter.net, DFlash2Net) and drafter.net.settings["causal"] is False
+    logits, head = [], DFlashNet.logits
+    monkeypatch.setattr(DFlashNet, "logits", lambda self, t, h: logits.append(head(self, t, h)) or logits[-1])
+    assert_rounds_are(np.load(REFERENCE / "reference.npz"), target, drafter, 4, logits, lambda r: np.array(r[0][0]),
+                      atol=2e-4)
+
+
 def test_a_batch_is_greedy_identical(target):
     prompts = [list(np.load(REFERENCE / "reference.npz")["prompt"][:n]) for n in (3, 9, 20)]
     drafter = make_drafter(f"dflash={REFERENCE / 'dflash2'}", target)

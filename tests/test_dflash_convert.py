@@ -128,6 +128,49 @@ def test_converted_drafter_decodes_losslessly(converted, target_path, name, budg
     assert result["identical_to_plain"] is True and result["drafted_tokens"] > 0
 
 
+def speculators_config(name: str, **changes) -> dict:
+    """The fixture's config as vllm-project/speculators writes a DFlash drafter (DFlashSpeculatorConfig, as
+    RedHatAI/Qwen3-8B-speculator.dflash is published): the draft layers' Qwen3 config nested in
+    `transformer_layer_config`, the target's hidden states by their index in transformers' `hidden_states`
+    (z-lab's layer ids + 1), the greedy proposal's K in `speculators_config`; the tensors as z-lab names them."""
+    zlab = fixture_config(name)
+    extra = zlab["dflash_config"]
+    body = {k: v for k, v in zlab.items() if k not in ("architectures", "auto_map", "block_size", "dflash_config",
+                                                        "num_target_layers", "torch_dtype")}
+    block = extra.get("block_size", zlab.get("block_size"))
+    return {
+        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.5.0",
+        "transformer_layer_config": body, "draft_vocab_size": body["vocab_size"], "block_size": block,
+        "target_hidden_size": None, "aux_hidden_state_layer_ids": [i + 1 for i in extra["target_layer_ids"]],
+        "mask_token_id": extra["mask_token_id"], "sliding_window_non_causal": False, "projector_type": "dflash",
+        "shift_label": False, "sample_from_anchor": False, "torch_dtype": "bfloat16",
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block - 1,
+                                                     "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                               "verifier": {"name_or_path": "Qwen/Qwen3-8B", "architectures": ["Qwen3ForCausalLM"]}},
+        **changes,
+    }
+
+
+@pytest.mark.parametrize("name", ["b16", "sliding"])
+def test_the_speculators_layout_drafts_as_z_labs(tmp_path, target, target_path, name):
+    """The same weights in speculators' layout: the block logits of the reference implementation, and lossless
+    decoding with `--drafter dflash=FOLDER` (converted on first use)."""
+    src = source(tmp_path, published(name), speculators_config(name))
+    proc = cli("convert", src, "-o", tmp_path / "out", "--target", target_path)
+    assert proc.returncode == 0, proc.stderr
+    net, _, _ = load_dflash(str(tmp_path / "out"))
+    net.set_dtype(mx.float32)
+    assert net.settings["target_layer_ids"] == fixture_config(name)["dflash_config"]["target_layer_ids"]
+    ref = np.load(REFERENCE / f"{name}.npz")
+    for got, want in zip(drafter_logits(net, target, ref), ref["logits"]):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    gen = cli("generate", "--model", target_path, "--drafter", f"dflash={src}", "--prompt", "def greet(name):",
+              "--max-tokens", "16", "--check", "--json", env={"MLX_SPEC_HOME": str(tmp_path / "home")})
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["identical_to_plain"] is True
+
+
 def test_other_spellings_convert_alike(tmp_path, converted):
     """A re-export's `model.` prefix and vLLM's aliases (a one-layer draft's `midlayer.`,
     `encoder.fc.`, `encoder.output_norm_enc.`); --dtype as the pipeline sets it."""
@@ -238,9 +281,17 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
             config["layer_types"] = ["sliding_attention", "full_attention"]
             config["sliding_window"] = 4
             needle = "sliding_attention layers without use_sliding_window"
-        elif kind == "speculators":
-            config = {"speculators_model_type": "dflash", "transformer_layer_config": config}
-            needle = "speculators' DFlash layout"
+        elif kind.startswith("speculators"):
+            config, needle = {
+                "speculators domino": (speculators_config("b16", projector_type="domino"),
+                                       "projector_type 'domino' drafts otherwise than DFlash"),
+                "speculators anchor": (speculators_config("b16", sample_from_anchor=True),
+                                       "sample_from_anchor True drafts otherwise than DFlash"),
+                "speculators vocab": (speculators_config("b16", draft_vocab_size=128),
+                                      "draft_vocab_size 128 (a draft vocabulary of its own, mapped by d2t) is not"),
+                "speculators ids": (speculators_config("b16", aux_hidden_state_layer_ids=[0, 1]),
+                                    "aux_hidden_state_layer_ids must list the target's hidden states"),
+            }[kind]
     src = source(tmp_path, weights, config)
     return src, src / where, needle
 
@@ -249,7 +300,7 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
     "kind",
     ["missing", "wrong shape", "fc width", "not floating", "unexpected", "twice", "own lm_head", "own embedding",
      "dflash2 tensors", "dflash2", "mask id", "no block size", "no taps", "sliding without flag",
-     "speculators"],
+     "speculators domino", "speculators anchor", "speculators vocab", "speculators ids"],
 )
 def test_what_cannot_be_converted_is_a_one_line_error(tmp_path, kind, in_process):
     src, where, needle = damaged(kind, tmp_path)

@@ -454,8 +454,8 @@ PUBLISHED = {
 TRAIN = Recipe("DFlash: a few layers that fill a block of drafts in one forward, reading the target's features "
                "as keys and values; OUT is a folder that --drafter dflash=OUT loads.", train_arguments,
                "mlx_spec.train.dflash:run")
-# z-lab's folders load as published; `mlx-spec convert` reads the other layouts.
-CONVERT = Conversion("dflash", as_is=lambda path, config: True)
+# z-lab's folders load as published; speculators' convert on first use (`mlx-spec convert` reads every layout).
+CONVERT = Conversion("dflash", as_is=lambda path, config: "speculators_model_type" not in config)
 KINDS = (Kind("dflash", "a DFlash block drafter (z-lab's, as published): a whole block of drafts in one small "
               "forward; --tree-budget N verifies a DDTree over the block; --block-size", build,
               source="optional", alone="the one published for --model", takes=("tree_budget", "block_size"),
