@@ -27,12 +27,15 @@ as z-lab's. Within a block, its sliding-window layers attend causally unless
 `sliding_window_non_causal` (then every layer attends both ways, as DFlash's
 full layers always do).
 
-Refused, each in one line: a drafter's own `lm_head` or `embed_tokens` (DFlash
-uses the target's, and one a drafter ships may have been trained: vLLM then
-uses it, so dropping it is not known to be safe), and so speculators' reduced
-draft vocabularies (`draft_vocab_size` below the target's, with `d2t`); its
-Domino projector, `shift_label` and `sample_from_anchor` (other drafts than
-DFlash's).
+A speculators drafter with a draft vocabulary of its own (`draft_vocab_size`
+below the target's) keeps its LM head over it (`lm_head`) and `d2t` (draft
+token i is the target's i + d2t[i]); `t2d`, the way back, is not needed.
+
+Refused, each in one line: any other drafter's own `lm_head` or `embed_tokens`
+(DFlash uses the target's, and one a drafter ships may have been trained: vLLM
+then uses it, so dropping it is not known to be safe); speculators' Domino
+projector, `shift_label` and `sample_from_anchor` (other drafts than DFlash's),
+and a DFlash 2 selector over a draft vocabulary.
 """
 
 from __future__ import annotations
@@ -86,12 +89,14 @@ def _from_speculators(published: dict, where: Path) -> dict:
     for field, value in (("projector_type", "dflash"), ("shift_label", False), ("sample_from_anchor", False)):
         if published.get(field, value) not in (value, None):
             raise UserError(f"{where}: {field} {published[field]!r} drafts otherwise than DFlash; not supported")
-    vocab = published.get("draft_vocab_size")
-    if vocab is not None and vocab != body.get("vocab_size"):
-        raise UserError(f"{where}: draft_vocab_size {vocab} (a draft vocabulary of its own, mapped by d2t) is not "
-                        f"supported: DFlash drafts over the target's {body.get('vocab_size')} tokens")
     extra = {"block_size": published.get("block_size"), "mask_token_id": published.get("mask_token_id"),
              "target_layer_ids": [i - 1 for i in ids]}
+    vocab = published.get("draft_vocab_size")
+    if vocab is not None and vocab != body.get("vocab_size"):  # its own LM head over it, and d2t
+        if published.get("speculators_model_type") == "dflash2":
+            raise UserError(f"{where}: draft_vocab_size {vocab}: a DFlash 2 candidate selector over a draft "
+                            "vocabulary of its own is not supported")
+        extra["draft_vocab_size"] = vocab
     if published.get("sliding_window_non_causal"):
         extra["causal"] = False
     if published.get("speculators_model_type") == "dflash2":
@@ -151,10 +156,13 @@ def convert(path: Path, source: Source) -> Converted:
     weights, origin = read_safetensors(path)
     files = sorted(set(origin.values()))
     file = files[0] if len(files) == 1 else path  # what messages about missing tensors name
+    expected = {k: tuple(v.shape) for k, v in net.weights().items()}
     published: dict[str, str] = {}  # our name -> the file's
     for name in weights:
         ours = _ours(name)
-        if ours.startswith(_OWN_HEADS):
+        if ours == "t2d" and "d2t" in expected:
+            continue
+        if ours.startswith(_OWN_HEADS) and ours not in expected:
             raise UserError(
                 f"{origin[name]}: tensor '{name}': the drafter ships its own embedding or LM head, which is not "
                 "supported (DFlash uses the target's, and dropping a trained one would change the drafts)"
@@ -163,7 +171,6 @@ def convert(path: Path, source: Source) -> Converted:
             raise UserError(f"{origin[name]}: holds both '{published[ours]}' and '{name}' (the same tensor)")
         published[ours] = name
 
-    expected = {k: tuple(v.shape) for k, v in net.weights().items()}
     for ours in sorted(published.keys() - expected.keys()):
         raise UserError(f"{origin[published[ours]]}: unexpected tensor '{published[ours]}' in a DFlash drafter")
     for ours in sorted(expected.keys() - published.keys()):
@@ -175,9 +182,10 @@ def convert(path: Path, source: Source) -> Converted:
             raise UserError(
                 f"{origin[name]}: tensor '{name}' has shape {tuple(value.shape)}, config.json implies {shape}"
             )
-        if not mx.issubdtype(value.dtype, mx.floating):
+        if not mx.issubdtype(value.dtype, mx.integer if ours == "d2t" else mx.floating):
             dtype = str(value.dtype).removeprefix("mlx.core.")
-            raise UserError(f"{origin[name]}: tensor '{name}' is {dtype}, not floating point")
+            raise UserError(f"{origin[name]}: tensor '{name}' is {dtype}, not "
+                            f"{'integer' if ours == 'd2t' else 'floating point'}")
     return Converted(config, {k: weights[published[k]] for k in expected}, {k: origin[published[k]] for k in expected})
 
 

@@ -95,11 +95,16 @@ def stat_target():
     return tiny(0, V, logit_scale=0.3)
 
 
-@pytest.mark.parametrize("budget", [None, 5], ids=["block", "ddtree"])
-def test_sampling_matches_target_distribution(stat_target, budget):
+@pytest.mark.parametrize("budget, draft_vocab", [(None, None), (5, None), (None, 2)],
+                         ids=["block", "ddtree", "draft vocabulary"])
+def test_sampling_matches_target_distribution(stat_target, budget, draft_vocab):
+    """(A draft vocabulary of its own, speculators': drafts only ever propose 2 of the 4 tokens.)"""
     mx.random.seed(3)
     config = dflash_config(stat_target, num_layers=1, block_size=4, mask_token_id=V - 1, target_layers=[0])
+    config["dflash_config"]["draft_vocab_size"] = draft_vocab
     net = DFlashNet(config)
+    if draft_vocab:
+        net.d2t = mx.array([1, 1], dtype=mx.int32)  # draft tokens 0, 1 are the target's 1, 2
     mx.eval(net.parameters())
     params = SamplingParams(temp=1.0)
     p = exact_joint(stat_target, STAT_PROMPT, params, 3)

@@ -95,7 +95,7 @@ def drafter_logits(net, target, ref) -> list[np.ndarray]:
     for anchor, (lo, hi) in zip(ref["anchors"].tolist(), ((0, split), (split, features.shape[1]))):
         block = mx.array([[anchor] + [net.settings["mask_token_id"]] * (net.block_size - 1)])
         h = net(target.model.embed_tokens(block), features[:, lo:hi], cache)
-        out.append(np.array(target.unembed(h[0, 1:])))
+        out.append(np.array(net.logits(target, h[0, 1:])))
     return out
 
 
@@ -165,6 +165,30 @@ def test_the_speculators_layout_drafts_as_z_labs(tmp_path, target, target_path, 
     ref = np.load(REFERENCE / f"{name}.npz")
     for got, want in zip(drafter_logits(net, target, ref), ref["logits"]):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    gen = cli("generate", "--model", target_path, "--drafter", f"dflash={src}", "--prompt", "def greet(name):",
+              "--max-tokens", "16", "--check", "--json", env={"MLX_SPEC_HOME": str(tmp_path / "home")})
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["identical_to_plain"] is True
+
+
+def test_a_draft_vocabulary_of_its_own_is_mapped_to_the_targets(tmp_path, target, target_path):
+    """speculators' reduced vocabulary (`draft_vocab_size`, its own `lm_head` over it, `d2t` from draft to target
+    ids, `t2d` back): here the rows of the target's head at 128 of its 384 tokens, so the drafter's logits are
+    the reference's at those tokens, -inf at the others; decoding stays lossless."""
+    rng = np.random.default_rng(0)
+    ids = np.sort(rng.choice(384, 128, replace=False))
+    head = target.model.embed_tokens.weight if target.args.tie_word_embeddings else target.lm_head.weight
+    weights = published("b16") | {"lm_head.weight": head[mx.array(ids)], "d2t": mx.array(ids - np.arange(128)),
+                                  "t2d": mx.array(np.isin(np.arange(384), ids))}
+    src = source(tmp_path, weights, speculators_config("b16", draft_vocab_size=128))
+    proc = cli("convert", src, "-o", tmp_path / "out", "--target", target_path)
+    assert proc.returncode == 0, proc.stderr
+    net, _, _ = load_dflash(str(tmp_path / "out"))
+    net.set_dtype(mx.float32)
+    ref = np.load(REFERENCE / "b16.npz")
+    for got, want in zip(drafter_logits(net, target, ref), ref["logits"]):
+        np.testing.assert_allclose(got[:, ids], want[:, ids], rtol=0, atol=1e-4)
+        assert np.isneginf(np.delete(got, ids, axis=1)).all()
     gen = cli("generate", "--model", target_path, "--drafter", f"dflash={src}", "--prompt", "def greet(name):",
               "--max-tokens", "16", "--check", "--json", env={"MLX_SPEC_HOME": str(tmp_path / "home")})
     assert gen.returncode == 0, gen.stderr
@@ -259,6 +283,8 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
     elif kind == "own embedding":
         weights["model.embed_tokens.weight"] = mx.zeros((384, 64), dtype=mx.bfloat16)
         needle = "tensor 'model.embed_tokens.weight': the drafter ships its own"
+    elif kind == "speculators vocab":  # a draft vocabulary of its own, but no head over it or map from it
+        config, needle = speculators_config("b16", draft_vocab_size=128), "lacks tensor 'd2t'"
     elif kind == "dflash2 tensors":
         weights["layers.0.attention_conv.base_kernel"] = mx.zeros((2, 4, 64), dtype=mx.bfloat16)
         needle = "unexpected tensor 'layers.0.attention_conv.base_kernel' in a DFlash drafter"  # a DFlash 2's
@@ -287,8 +313,9 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
                                        "projector_type 'domino' drafts otherwise than DFlash"),
                 "speculators anchor": (speculators_config("b16", sample_from_anchor=True),
                                        "sample_from_anchor True drafts otherwise than DFlash"),
-                "speculators vocab": (speculators_config("b16", draft_vocab_size=128),
-                                      "draft_vocab_size 128 (a draft vocabulary of its own, mapped by d2t) is not"),
+                "speculators dflash2 vocab": (speculators_config("b16", speculators_model_type="dflash2",
+                                                                 draft_vocab_size=128),
+                                              "a DFlash 2 candidate selector over a draft vocabulary of its own"),
                 "speculators ids": (speculators_config("b16", aux_hidden_state_layer_ids=[0, 1]),
                                     "aux_hidden_state_layer_ids must list the target's hidden states"),
             }[kind]
@@ -300,7 +327,7 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
     "kind",
     ["missing", "wrong shape", "fc width", "not floating", "unexpected", "twice", "own lm_head", "own embedding",
      "dflash2 tensors", "dflash2", "mask id", "no block size", "no taps", "sliding without flag",
-     "speculators domino", "speculators anchor", "speculators vocab", "speculators ids"],
+     "speculators domino", "speculators anchor", "speculators vocab", "speculators dflash2 vocab", "speculators ids"],
 )
 def test_what_cannot_be_converted_is_a_one_line_error(tmp_path, kind, in_process):
     src, where, needle = damaged(kind, tmp_path)

@@ -332,6 +332,16 @@ def EMPTY() -> Draft:
     return Draft(mx.array([], dtype=mx.int32))
 
 
+def spread(small: mx.array, d2t: mx.array, vocab: int) -> mx.array:
+    """Logits over a draft vocabulary `[..., Vd]` at their target ids (draft id i is target id i + d2t[i], as
+    EAGLE-3 and speculators map them) and -inf at the others: `[..., vocab]`."""
+    if small.shape[-1] == vocab:
+        return small
+    full = mx.full((*small.shape[:-1], vocab), float("-inf"), small.dtype)
+    full[..., mx.arange(small.shape[-1]) + d2t] = small
+    return full
+
+
 def draw_rows(logits: mx.array, params: list[SamplingParams]) -> tuple[mx.array, mx.array | None]:
     """Each row's token from `logits` `[B, ..., V]` under its own sampling settings
     (rows that share them are drawn together), and the log-probabilities drawn

@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten
 from mlx_spec import hub
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, depth_tree, draw_rows,
-                                    joined, padded)
+                                    joined, padded, spread)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
@@ -81,8 +81,11 @@ def dflash_settings(config: dict, where: str) -> dict:
         raise UserError(f"{where}: sliding-window layers need 'sliding_window'")
     causal = extra.get("causal", config.get("is_causal"))
     scaling = {k: float(extra.get(k, config.get(k)) or default) for k, default in SCALING.items()}
+    vocab = extra.get("draft_vocab_size")
+    if vocab is not None and not (isinstance(vocab, int) and 0 < vocab):
+        raise UserError(f"{where}: 'dflash_config.draft_vocab_size' must be a positive integer")
     return {"block_size": block, "mask_token_id": mask_id, "target_layer_ids": [int(i) for i in layers],
-            "layer_types": kinds, "sliding_window": window, "causal": causal, **scaling}
+            "layer_types": kinds, "sliding_window": window, "causal": causal, "draft_vocab_size": vocab, **scaling}
 
 
 # What a DFlash 2 config adds (in dflash_config), and the scalings Gemma 4 and DFlash 2 drafts set
@@ -110,6 +113,10 @@ class DFlashNet(nn.Module):
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.layers = [DecoderLayer(args, rope) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        vocab = self.settings["draft_vocab_size"]
+        if vocab:  # a draft vocabulary of its own (speculators'): its LM head, mapped to the target's by d2t
+            self.lm_head = nn.Linear(H, vocab, bias=False)
+            self.d2t = mx.zeros((vocab,), dtype=mx.int32)
 
     @property
     def block_size(self) -> int:
@@ -167,9 +174,10 @@ class DFlashNet(nn.Module):
                                                     mask=self._mask(i, c.lengths, h.shape[1]))
 
     def logits(self, target: Model, h: mx.array) -> mx.array:
-        """The target's LM head on the block's states, scaled and capped as the config says."""
+        """The target's LM head (or the drafter's own, over its draft vocabulary) on the block's states, scaled
+        and capped as the config says."""
         s = self.settings
-        logits = target.unembed(h)
+        logits = spread(self.lm_head(h), self.d2t, target.args.vocab_size) if "lm_head" in self else target.unembed(h)
         if s["output_multiplier"] != 1:
             logits = logits * s["output_multiplier"]
         if s["final_logit_softcapping"]:
@@ -287,6 +295,8 @@ def load_dflash(path_or_repo: str, revision: str | None = None) -> tuple[DFlashN
     """A DFlash folder: z-lab's as published (DFlash or DFlash 2), or one `mlx-spec convert`/`train dflash` wrote."""
     config = read_json(hub.resolve(path_or_repo, revision) / "config.json")
     net, config, path = load_folder(path_or_repo, revision, DFlash2Net if is_dflash2(config) else DFlashNet)
+    if "d2t" in net:
+        net.d2t = net.d2t.astype(mx.int32)  # published as int64
     return net, config, path
 
 
@@ -306,6 +316,8 @@ def check_dflash_fits(net: DFlashNet, target: Model, what: str) -> None:
         raise UserError(f"{what}: drafter hidden size {net.args.hidden_size}, the target's is {t.hidden_size}")
     if not 0 <= s["mask_token_id"] < t.vocab_size:
         raise UserError(f"{what}: mask_token_id {s['mask_token_id']} is outside the target's embedding (0..{t.vocab_size - 1})")
+    if "d2t" in net and int(mx.max(mx.arange(net.d2t.size) + net.d2t)) >= t.vocab_size:
+        raise UserError(f"{what}: its d2t maps draft tokens past the target's vocabulary of {t.vocab_size}")
     if "candidate_selector" in net and net.args.vocab_size != t.vocab_size:
         raise UserError(f"{what}: its candidate selector knows {net.args.vocab_size} tokens, the target {t.vocab_size}")
 

@@ -38,7 +38,7 @@ import numpy as np
 from mlx_spec import tree
 from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix,
-                                    draw_rows, joined, padded, padded_length)
+                                    draw_rows, joined, padded, padded_length, spread)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
@@ -177,14 +177,7 @@ class EagleNet(nn.Module):
         """Output states -> logits over the target's vocabulary `[..., V]`."""
         if self.version == 1:
             return target.unembed(x)
-        small = self.lm_head(self.norm(x))  # [..., Vd]
-        V = target.args.vocab_size
-        if small.shape[-1] == V:
-            return small
-        ids = mx.arange(small.shape[-1]) + self.d2t  # target ids of the draft vocabulary
-        full = mx.full((*small.shape[:-1], V), float("-inf"), small.dtype)
-        full[..., ids] = small
-        return full
+        return spread(self.lm_head(self.norm(x)), self.d2t, target.args.vocab_size)  # [..., Vd] -> [..., V]
 
     def next_feature(self, x: mx.array) -> mx.array:
         """What the next drafting step reads as its feature."""
