@@ -195,6 +195,15 @@ def test_a_draft_vocabulary_of_its_own_is_mapped_to_the_targets(tmp_path, target
     assert json.loads(gen.stdout)["identical_to_plain"] is True
 
 
+def test_a_draft_vocabulary_past_the_targets_is_refused(tmp_path, target_path, in_process):
+    weights = published("b16") | {"lm_head.weight": mx.zeros((128, 64), dtype=mx.bfloat16),
+                                  "d2t": mx.full((128,), 300, dtype=mx.int64)}  # draft token 127 -> 427
+    src = source(tmp_path, weights, speculators_config("b16", draft_vocab_size=128))
+    assert in_process("convert", src, "-o", tmp_path / "out").returncode == 0
+    proc = in_process("generate", "--model", target_path, "--drafter", f"dflash={tmp_path / 'out'}", "--prompt", "hi")
+    assert_one_line_error(proc, "--drafter dflash=", "its d2t maps draft tokens outside the target's vocabulary")
+
+
 def test_other_spellings_convert_alike(tmp_path, converted):
     """A re-export's `model.` prefix and vLLM's aliases (a one-layer draft's `midlayer.`,
     `encoder.fc.`, `encoder.output_norm_enc.`); --dtype as the pipeline sets it."""

@@ -316,8 +316,9 @@ def check_dflash_fits(net: DFlashNet, target: Model, what: str) -> None:
         raise UserError(f"{what}: drafter hidden size {net.args.hidden_size}, the target's is {t.hidden_size}")
     if not 0 <= s["mask_token_id"] < t.vocab_size:
         raise UserError(f"{what}: mask_token_id {s['mask_token_id']} is outside the target's embedding (0..{t.vocab_size - 1})")
-    if "d2t" in net and int(mx.max(mx.arange(net.d2t.size) + net.d2t)) >= t.vocab_size:
-        raise UserError(f"{what}: its d2t maps draft tokens past the target's vocabulary of {t.vocab_size}")
+    ids = mx.arange(net.d2t.size) + net.d2t if "d2t" in net else None  # the target's ids of its draft tokens
+    if ids is not None and not 0 <= int(mx.min(ids)) <= int(mx.max(ids)) < t.vocab_size:
+        raise UserError(f"{what}: its d2t maps draft tokens outside the target's vocabulary (0..{t.vocab_size - 1})")
     if "candidate_selector" in net and net.args.vocab_size != t.vocab_size:
         raise UserError(f"{what}: its candidate selector knows {net.args.vocab_size} tokens, the target {t.vocab_size}")
 

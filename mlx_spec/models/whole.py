@@ -86,7 +86,7 @@ def _capture(layer: nn.Module, i: int, last: bool) -> None:
 
 
 def _tape_state(module: nn.Module, conv: str, i: int) -> None:
-    """Layer i's stateful module, as mlx-lm writes it, handing layer i's cache its tape while a taped
+    """A stateful module, as mlx-lm writes it, handing the i-th of the target's caches its tape while a taped
     forward runs: its convolution's input `[B, K - 1 + S, C]` (the window, then the forward's S inputs)
     and, where it calls mlx-lm's `ssm_update` (Mamba-2), a replay of that call (mlx-lm's module untouched:
     its methods run with `ssm_update` bound to the taped one)."""
@@ -109,8 +109,9 @@ def _tape_state(module: nn.Module, conv: str, i: int) -> None:
 
 
 def _taped_ssm(update, i: int):
-    """mlx-lm's `ssm_update` for layer i, handing its cache a replay: the state after each row's first
-    kept[b] of the forward's tokens, from the state before it (rows that keep as many run together)."""
+    """mlx-lm's `ssm_update` for the module of the i-th cache, handing that cache a replay: the state after
+    each row's first kept[b] of the forward's tokens, from the state before it (rows that keep as many run
+    together)."""
 
     def taped(x, A_log, B, C, D, dt, dt_bias, state=None, limit=(0.001, 100.0), *args, **kwargs):
         cache = _TAPES.get().get(i)
