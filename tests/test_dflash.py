@@ -14,7 +14,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 from helpers import later_turns_are_exact
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
 
@@ -97,8 +97,9 @@ def stat_target():
 
 @pytest.mark.parametrize("budget, draft_vocab", [(None, None), (5, None), (None, 2)],
                          ids=["block", "ddtree", "draft vocabulary"])
-def test_sampling_matches_target_distribution(stat_target, budget, draft_vocab):
-    """(A draft vocabulary of its own, speculators': drafts only ever propose 2 of the 4 tokens.)"""
+def test_sampling_matches_target_distribution(stat_target, budget, draft_vocab, monkeypatch):
+    """(A draft vocabulary of its own, speculators': drafts only ever propose 2 of the 4 tokens; there a
+    wrong acceptance rule is told apart too.)"""
     mx.random.seed(3)
     config = dflash_config(stat_target, num_layers=1, block_size=4, mask_token_id=V - 1, target_layers=[0])
     config["dflash_config"]["draft_vocab_size"] = draft_vocab
@@ -109,6 +110,12 @@ def test_sampling_matches_target_distribution(stat_target, budget, draft_vocab):
     params = SamplingParams(temp=1.0)
     p = exact_joint(stat_target, STAT_PROMPT, params, 3)
     assert empirical_tv(stat_target, lambda: DFlash(net, stat_target, budget), params, p) < tv_bound(p, N)
+    if draft_vocab:
+        from mlx_spec import sampling
+        from test_speculative import resample_from_target
+
+        monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)
+        assert told_apart(stat_target, lambda: DFlash(net, stat_target, budget), params, p)
 
 
 def test_registry_names_the_published_drafter(target, monkeypatch):
