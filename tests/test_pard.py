@@ -3,25 +3,31 @@ adds `pard_token` and `spd_type: "pard"`, its weights and tokenizer as any model
 one forward over the new tokens and K-1 mask tokens, round for round the drafts AMD's own inference
 loop computes (scripts/make_pard_reference.py, tests/fixtures/pard_reference) and those of a fresh
 forward over the whole context and the masks (the cache after each round holds the context alone),
-greedy output identical to plain decoding, sampled output distributed as the target's."""
+greedy output identical to plain decoding, sampled output distributed as the target's. PARD-2
+(amd/PARD2-Qwen3-8B: `spd_type: "pard2"` and `warp_model.bin`) reads the target's features too:
+against AMD's PARD-2 loop (scripts/make_pard2_reference.py, tests/fixtures/pard2_reference)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 import numpy as np
 
 from mlx_spec import api, sampling
-from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters import find_drafter, make_drafter
-from mlx_spec.drafters.draft_model import Pard
+from mlx_spec.drafters.draft_model import Pard, Pard2
+from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 
 from helpers import assert_one_line_error
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart, tv_bound
+from stats import (N, STAT_PROMPT, V, assert_distributed_as_target, empirical_tv, exact_joint, tiny, told_apart,
+                   tv_bound)
 from test_speculative import resample_from_target
 from tiny import make_checkpoint
 
@@ -123,8 +129,10 @@ def test_sampling_matches_the_targets_distribution(monkeypatch):
 
 def test_published_and_refused(folders, in_process, checkpoints):
     target, pard = folders
-    assert find_drafter("pard", "mlx-community/Qwen3-8B-4bit") == "amd/PARD-Qwen3-0.6B"
-    assert find_drafter("pard", "meta-llama/Llama-3.1-8B-Instruct") == "amd/PARD-Llama-3.2-1B"
+    assert find_drafter("pard", "mlx-community/Qwen3-4B-4bit") == "amd/PARD-Qwen3-0.6B"
+    assert find_drafter("pard", "mlx-community/Qwen3-8B-4bit") == "amd/PARD2-Qwen3-8B"  # trained on its features
+    assert find_drafter("pard", "meta-llama/Llama-3.1-8B-Instruct") == "amd/PARD2-Llama-3.1-8B"
+    assert find_drafter("pard", "meta-llama/Llama-3.3-70B-Instruct") == "amd/PARD-Llama-3.2-1B"
     plain = in_process("generate", "--model", target, "--drafter", f"pard={checkpoints['qwen3']}", "--prompt", "x")
     assert_one_line_error(plain, "--drafter pard=", "pard_token")
     config = json.loads((pard / "config.json").read_text())
@@ -167,3 +175,123 @@ def test_train_pard_makes_the_masks_draft(stride_model, tmp_path):
     untrained = tau_on_held_out_rows(target, stride_model, lambda: Pard(model, V, pard_token=V - 1), 4)
     trained = tau_on_held_out_rows(target, stride_model, make_drafter(f"pard={out}", target).new_session, 4)
     assert trained > untrained + 0.5, (trained, untrained)
+
+
+REFERENCE2 = Path(__file__).parent / "fixtures" / "pard2_reference"
+
+
+def test_pard2_drafts_and_logits_are_amds(monkeypatch):
+    """A PARD-2 drafter as amd/PARD2-Qwen3-8B is laid out (config fields and warp_model.bin), loaded as it is:
+    round for round the K drafts and the draft logits of AMD's PARD-2 loop (scripts/make_pard2_reference.py:
+    the target's features of the position before added to each input, the masks reusing the last), the tokens
+    it kept, identical to plain decoding."""
+    ref = np.load(REFERENCE2 / "reference.npz")
+    target, _ = load_model(str(REFERENCE2 / "target"))
+    drafter = make_drafter(f"pard={REFERENCE2 / 'pard2'}", target).new_session()
+    assert isinstance(drafter, Pard2) and drafter.capture == (4, 3, 1)  # transformers' hidden_states -1, -2, -4
+    seen = []
+    read = Pard2._to_target_vocab
+    monkeypatch.setattr(Pard2, "_to_target_vocab", lambda self, logits: seen.append(logits[0]) or read(self, logits))
+    K, prompt = ref["drafts"].shape[1], ref["prompt"].tolist()
+    events = list(speculative_steps(target, prompt, GREEDY, 24, drafter, num_draft=K))
+    drafting = [e for e in events if e.drafted]  # (the last rounds draft only as many as are still to come)
+    assert len(seen) == len(drafting)
+    for event, logits, drafts, amds in zip(drafting, seen, ref["drafts"].tolist(), ref["logits"]):
+        assert event.drafted == drafts[: len(event.drafted)]
+        np.testing.assert_allclose(np.array(logits), amds[: logits.shape[0]], atol=2e-4)
+    amd = [t for kept in ref["kept"].tolist() for t in kept if t >= 0]
+    assert [t for e in events for t in e.tokens] == amd[:24]
+    assert [t for e in plain_steps(target, prompt, GREEDY, 24) for t in e.tokens] == amd[:24]
+    assert sum(len(e.tokens) - 1 for e in events) > 0  # drafts were accepted
+
+
+@pytest.fixture(scope="module")
+def pard2():
+    target, _ = load_model(str(REFERENCE2 / "target"))
+    return target, make_drafter(f"pard={REFERENCE2 / 'pard2'}", target), np.load(REFERENCE2 / "reference.npz")
+
+
+def test_pard2_rows_of_a_batch_draft_as_alone(pard2):
+    """Each row reads its own positions' features: in a batch, the drafts it makes alone; plain's tokens."""
+    target, drafter, ref = pard2
+    prompt, amd = ref["prompt"].tolist(), ref["kept"][ref["kept"] >= 0].tolist()
+    rows = [prompt, prompt[5:], prompt[:3] + amd[:9], prompt[:1]]
+    batch = decoded(Decoder(target, num_draft=4), rows, drafter)
+    for row, text in enumerate(rows):
+        assert batch[row] == decoded(Decoder(target, num_draft=4), [text], drafter.new_session())[0]
+        assert [t for tokens, _ in batch[row] for t in tokens] == plain(target, text)
+
+
+def test_pard2_a_later_turn_drafts_as_a_fresh_run(pard2):
+    """A chat's next turn: the target keeps its cache but from the position before the drafter's first new
+    one (whose features that drafter reads), and the turn drafts as a fresh run on the whole prompt."""
+    target, drafter, ref = pard2
+    prompt, session, cache = ref["prompt"].tolist(), drafter.new_session(), target.make_cache()
+    context = prompt + [t for e in speculative_steps(target, prompt, GREEDY, 12, session, num_draft=4, cache=cache)
+                        for t in e.tokens]
+    follow_up, kept, restart = context + [40, 41, 42], [], session.restart
+    session.restart = lambda b, text, cached=0: kept.append(restart(b, text, cached)) or kept[-1]
+    later = list(speculative_steps(target, follow_up, GREEDY, 12, session, num_draft=4, cache=cache))
+    fresh = list(speculative_steps(target, follow_up, GREEDY, 12, drafter.new_session(), num_draft=4))
+    assert [(e.tokens, e.drafted) for e in later] == [(e.tokens, e.drafted) for e in fresh]
+    assert len(prompt) < kept[0] < len(context) - 1
+
+
+def decoded(decoder: Decoder, prompts: list[list[int]], drafter) -> list[list]:
+    """Each row's rounds, (tokens, drafted), greedy: 16 tokens."""
+    out = [[] for _ in prompts]
+    for b, prompt in enumerate(prompts):
+        decoder.add(b, prompt, GREEDY, 16, drafter)
+    while not decoder.done:
+        for b, event in decoder.step().items():
+            out[b].append((event.tokens, event.drafted))
+    return out
+
+
+def plain(target, prompt: list[int]) -> list[int]:
+    return [t for e in plain_steps(target, prompt, GREEDY, 16) for t in e.tokens]
+
+
+def test_pard2_sampling_matches_the_targets_distribution(monkeypatch):
+    target = tiny(0, V)
+    proj = nn.Linear(2 * 32, 32, bias=False)
+    make = lambda: Pard2(tiny(1, V, logit_scale=0.3), V, V - 1, proj, 0.5, (1, 0), target.final_norm)  # noqa: E731
+    assert_distributed_as_target(target, make, monkeypatch)
+
+
+def test_pard2_folder_that_does_not_fit_is_refused(tmp_path):
+    """A PARD-2 folder whose layers or projection do not fit the target: an error naming the field or file."""
+    target, _ = load_model(str(REFERENCE2 / "target"))
+    folder = tmp_path / "pard2"
+    shutil.copytree(REFERENCE2 / "pard2", folder)
+    config = json.loads((folder / "config.json").read_text())
+    for change, words in (({"pard2_target_dim": 100}, "pard2_target_dim is 100, the target gives 3 x 64"),
+                          ({"pard2_target_layers": [9]}, "pard2_target_layers must list")):
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(UserError, match=f"config.json: {words}"):
+            make_drafter(f"pard={folder}", target)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "warp_model.bin").unlink()
+    with pytest.raises(UserError, match="warp_model.bin: missing"):
+        make_drafter(f"pard={folder}", target)
+
+
+def test_pard2_downloads_its_projection_with_the_model(tmp_path):
+    """`--drafter pard=amd/PARD2-Qwen3-8B` from the Hub (a local one, serving the fixture as that repo): the
+    projection in warp_model.bin comes down beside the weights, and the output is plain decoding's."""
+    from fakehub import FakeHub
+    from helpers import cli
+    from tiny import make_tokenizer
+
+    target, pard2 = tmp_path / "target", tmp_path / "pard2"
+    for folder in (target, pard2):  # as published, each with the tokenizer
+        shutil.copytree(REFERENCE2 / folder.name, folder)
+        make_tokenizer(folder, vocab_size=256)
+    with FakeHub({"amd/PARD2-Qwen3-8B": pard2}) as hub:
+        env = {"MLX_SPEC_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
+               "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"}
+        out = cli("generate", "--model", target, "--drafter", "pard=amd/PARD2-Qwen3-8B", "--prompt", "def f(x):",
+                  "--max-tokens", "16", "--check", "--json", "--num-draft", "4", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["identical_to_plain"] is True
+    assert list((tmp_path / "hf").glob("models--amd--PARD2-Qwen3-8B/snapshots/*/warp_model.bin"))

@@ -9,6 +9,11 @@ It reads the new tokens followed by K-1 copies of its `pard_token` in one
 forward; position i's distribution is the draft for token i (each drawn from
 its own distribution, which does not depend on the earlier drafts), and the
 mask tokens leave its cache after.
+
+PARD-2 (`amd/PARD2-*`) adds the target's features to its input: position j
+reads `embed(t_j) + scale * target_proj(f_{j-1})`, f the target's hidden
+states at the layers its config names side by side (f_{-1} = 0), the mask
+slots those of the last real token.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import argparse
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 
 from mlx_spec.cache import cut_cache
 from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates,
@@ -94,12 +101,16 @@ class DraftModel(RowStates):
         n = [len(t) for t in new]
         S = padded_length(max(n))
         feed = mx.array([t + [0] * (S - len(t)) for t in new])  # [B, S]: padding is cut from the cache
-        logits, _ = self.model(feed, self.cache)  # [B, S, V]
+        logits = self._forward(feed, lengths)  # [B, S, V]
         for b, (held, m) in enumerate(zip(lengths, n)):
             cut_cache(self.cache, b, held + m)
         for held, t in zip(self.cached, new):
             held.extend(t)
         return logits, n
+
+    def _forward(self, feed: mx.array, held: list[int]) -> mx.array:
+        """The model over `feed` `[B, S]`, row b's tokens from position `held[b]` on -> logits `[B, S, V]`."""
+        return self.model(feed, self.cache)[0]
 
     def catch_up(self, contexts: list[list[int]]) -> None:
         new = [c[len(held) : len(c) - 1] for c, held in zip(contexts, self.cached)]  # `propose` feeds the last
@@ -157,6 +168,94 @@ class Pard(DraftModel):
         return Draft.rows(tokens, lp, ks)
 
 
+class Pard2(Pard):
+    """PARD-2: PARD reading the target's features (see the module docstring)."""
+
+    def __init__(self, model: Model, target_vocab: int, pard_token: int, proj: nn.Linear, scale: float,
+                 capture: tuple[int, ...], norm: nn.Module | None, path: Path | None = None):
+        super().__init__(model, target_vocab, pard_token, path)
+        self.proj, self.scale, self.norm = proj, scale, norm
+        self.capture = capture  # the target's hidden states it reads; with `norm`, the last is the final norm's output
+
+    def new_row(self) -> dict:
+        # the target's features `[T, F]` of positions `start` on (None: none yet): from the one before the next
+        # position the draft model reads
+        return {**super().new_row(), "features": None, "start": 0}
+
+    def _session(self) -> Pard2:
+        return Pard2(self.model, self.vocab, self.pard_token, self.proj, self.scale, self.capture, self.norm, self.path)
+
+    def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
+        # The draft model keeps what it shares with the prompt, but position j read the features of j - 1:
+        # the target reads again from the one before the first it will read.
+        shared = min(common_prefix(self.cached[b], prompt), len(prompt) - 1)
+        kept = min(cached, max(shared - 1, 0))
+        self._keep(b, min(shared, kept + 1))
+        self.features[b], self.start[b], self.base[b] = None, kept, len(self.cached[b])
+        return kept
+
+    def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
+        super().commit(b, context)
+        if not features:
+            return
+        last = max(self.capture) if self.norm is not None else None
+        new = mx.concatenate([self.norm(h) if i == last else h for i, h in zip(self.capture, features)], axis=-1)[0]
+        at, old, start = len(context) - 1 - new.shape[0], self.features[b], self.start[b]  # at: new's first position
+        if old is not None and start < at <= start + old.shape[0]:
+            new, at = mx.concatenate([old[: at - start], new]), start
+        drop = min(max(len(self.cached[b]) - 1 - at, 0), new.shape[0] - 1)  # what no read needs any more
+        self.features[b], self.start[b] = new[drop:], at + drop
+
+    def _forward(self, feed: mx.array, held: list[int]) -> mx.array:
+        S, F = feed.shape[1], self.proj.weight.shape[1]
+        rows = []
+        for b, first in enumerate(held):
+            f = self.features[b]
+            want = np.arange(first - 1, first - 1 + S)  # position j reads the features of j - 1
+            if f is None:
+                rows.append(mx.zeros((S, F), self.proj.weight.dtype))
+                continue
+            at = np.clip(want - self.start[b], 0, f.shape[0] - 1)  # past the last (the masks): the last
+            rows.append(f[mx.array(at)] * mx.array(want >= 0)[:, None])  # before the text: none
+        h = self.model.embed(feed) + self.proj(mx.stack(rows)) * self.scale  # [B, S, H]
+        return self.model.head(self.model.run_layers(h, self.cache, range(len(self.model.layers))))
+
+
+def _pard2(model: Model, target, token: int, path: Path, config: dict, o: Options) -> Pard2:
+    """A PARD-2 drafter: its projection from `warp_model.bin` (beside its weights in the repo), reading the
+    target's layers its config names (indices into Hugging Face's `hidden_states`, the last the final norm's)."""
+    from mlx_spec import hub
+    from mlx_spec.torch_pickle import read_torch_file
+
+    name = path / "config.json"
+    L, H = target.args.num_hidden_layers, target.args.hidden_size
+    layers, dim, scale = (config.get(f"pard2_{field}", default) for field, default in
+                          (("target_layers", None), ("target_dim", 4096), ("scale", 0.02)))  # AMD's defaults
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and -L - 1 <= i <= L for i in layers):
+        raise UserError(f"{name}: pard2_target_layers must list the target's hidden states (-{L + 1}..{L}), "
+                        f"got {layers!r}")
+    if dim != len(layers) * H:
+        raise UserError(f"{name}: pard2_target_dim is {dim!r}, the target gives {len(layers)} x {H}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise UserError(f"{name}: pard2_scale must be a number, got {scale!r}")
+    if not isinstance(model, Model):
+        raise UserError(f"{name}: a PARD-2 drafter must be a Llama, Qwen2 or Qwen3 model")
+    warp = hub.resolve(o.source, o.revision, ("warp_model.bin",)) / "warp_model.bin"
+    if not warp.is_file():
+        raise UserError(f"{warp}: missing (PARD-2's feature projection)")
+    weights, bias = read_torch_file(warp), bool(config.get("pard2_proj_bias", False))
+    proj = nn.Linear(dim, model.args.hidden_size, bias=bias)
+    for key, shape in [("weight", (model.args.hidden_size, dim))] + [("bias", (model.args.hidden_size,))] * bias:
+        value = weights.get(f"target_proj.{key}")
+        if value is None or tuple(value.shape) != shape:
+            raise UserError(f"{warp}: target_proj.{key} must be {list(shape)}, got "
+                            f"{list(value.shape) if value is not None else 'none'}")
+        setattr(proj, key, value)
+    capture = tuple(i % (L + 1) for i in layers)
+    norm = target.final_norm if L in capture else None
+    return Pard2(model, target.args.vocab_size, token, proj, float(scale), capture, norm, path)
+
+
 def build(target: Model, o: Options) -> DraftModel:
     """A draft model; a PARD model (its config names a `pard_token`) drafts as one, whether given
     as `pard=` or `draft=`."""
@@ -167,7 +266,8 @@ def build(target: Model, o: Options) -> DraftModel:
     model, path = load_model(o.source, o.revision)
     if o.tokenizer is not None:
         check_same_vocab(load_tokenizer(Path(path)), o.tokenizer, f"--drafter {o.spec}", "the target")
-    token = read_json(Path(path) / "config.json").get("pard_token")
+    config = read_json(Path(path) / "config.json")
+    token = config.get("pard_token")
     if token is None:
         if o.spec.startswith("pard"):
             raise UserError(f"--drafter {o.spec}: {Path(path) / 'config.json'} names no pard_token (not a PARD model)")
@@ -175,6 +275,8 @@ def build(target: Model, o: Options) -> DraftModel:
     if not isinstance(token, int) or not 0 <= token < model.args.vocab_size:
         raise UserError(f"{Path(path) / 'config.json'}: pard_token must be a token id below {model.args.vocab_size}, "
                         f"got {token!r}")
+    if config.get("spd_type") == "pard2" or config.get("pard2") is True:
+        return _pard2(model, target, token, Path(path), config, o)
     return Pard(model, target.args.vocab_size, token, Path(path))
 
 
@@ -194,14 +296,17 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
 TRAIN = Recipe("PARD (AMD's recipe): the draft model reads each row K times in one forward, its copies 1..K-1 as "
                "mask tokens that see the real tokens up to i before them, and learns the token i + 1 ahead; OUT is "
                "a folder that --drafter pard=OUT loads.", train_arguments, "mlx_spec.train.pard:run")
-PUBLISHED_PARD = {  # AMD's, target-independent: each serves its family's models
-    "Qwen/Qwen3-8B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-4B": ("amd/PARD-Qwen3-0.6B",),
-    "Qwen/Qwen3-14B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-32B": ("amd/PARD-Qwen3-0.6B",),
-    "meta-llama/Llama-3.1-8B-Instruct": ("amd/PARD-Llama-3.2-1B",),
+# AMD's PARD drafters are target-independent: each serves its family's models. A PARD-2 one, trained on one
+# target's features (AMD's evaluation pairs), comes first where there is one.
+PUBLISHED_PARD = {
+    "Qwen/Qwen3-4B": ("amd/PARD-Qwen3-0.6B",), "Qwen/Qwen3-32B": ("amd/PARD-Qwen3-0.6B",),
+    "Qwen/Qwen3-8B": ("amd/PARD2-Qwen3-8B", "amd/PARD-Qwen3-0.6B"),
+    "Qwen/Qwen3-14B": ("amd/PARD2-Qwen3-14B", "amd/PARD-Qwen3-0.6B"),
+    "meta-llama/Llama-3.1-8B-Instruct": ("amd/PARD2-Llama-3.1-8B", "amd/PARD-Llama-3.2-1B"),
     "meta-llama/Llama-3.3-70B-Instruct": ("amd/PARD-Llama-3.2-1B",),
 }
 KINDS = (Kind("draft", "a smaller model with the same tokenizer (trained with mlx-spec distill; a PARD model "
               "drafts as one)", build, convert=CONVERT),
-         Kind("pard", "a PARD draft model (AMD's, as published): K drafts in one forward of it", build,
+         Kind("pard", "a PARD or PARD-2 draft model (AMD's, as published): K drafts in one forward of it", build,
               source="optional", alone="the one published for --model", convert=CONVERT, published=PUBLISHED_PARD,
               train=TRAIN))
