@@ -5,7 +5,7 @@ writes tests/fixtures/pard2_reference/: `target/`, a tiny Qwen3ForCausalLM as tr
 `pard2/`, the drafter as amd/PARD2-Qwen3-8B is laid out, a Qwen3ForCausalLM (the target's own layers, so that
 rounds accept some) whose config.json adds `pard_token`, `spd_type: "pard2"`, `pard2_target_layers` (indices
 into transformers' `hidden_states`, the last being the final norm's output), `pard2_target_dim`, `pard2_scale`
-and `pard2_proj_bias`, beside `warp_model.bin` (torch.save of {"target_proj.weight": [H, target_dim]}); and
+and `pard2_proj_bias`, beside `warp_model.bin` (torch.save of {"target_proj.weight": [H, target_dim]}, bfloat16); and
 `reference.npz`: the prompt, each round's K drafts, the draft logits they came from and the tokens kept, from
 the loop of AMD-AGI/PARD `pard/pard2_infer.py` (its `--para` path with a PARD-2 drafter, greedy). The drafter's
 input there is embed(token) + scale * target_proj(the target's features of the position before), the first
@@ -94,9 +94,12 @@ def main() -> None:
     (OUT / "pard2" / "config.json").write_text(json.dumps(config, indent=2))
     draft = Warp(AutoModelForCausalLM.from_pretrained(OUT / "pard2", dtype=torch.float32).eval(), target_dim)
     g = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # the features change drafts, and rounds still accept some
-        draft.target_proj.weight.copy_(torch.randn(draft.target_proj.weight.shape, generator=g) * 0.15)
-    torch.save({"target_proj.weight": draft.target_proj.weight.detach().clone()}, OUT / "pard2" / "warp_model.bin")
+    # The features change drafts, and rounds still accept some. Written in bfloat16, as AMD trains (the loop
+    # computes in float32 with the weights as written).
+    weight = (torch.randn(draft.target_proj.weight.shape, generator=g) * 0.15).to(torch.bfloat16)
+    with torch.no_grad():
+        draft.target_proj.weight.copy_(weight.float())
+    torch.save({"target_proj.weight": weight}, OUT / "pard2" / "warp_model.bin")
     prompt = torch.from_numpy(np.random.default_rng(2).integers(3, pard_token, size=(1, 16)))
     drafts, logits, kept = pard2_rounds(target, draft, prompt, pard_token)
     np.savez_compressed(OUT / "reference.npz", prompt=prompt[0].numpy().astype(np.int32),

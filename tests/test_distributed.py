@@ -228,21 +228,28 @@ Path(sys.argv[3] + "." + os.environ.get("MLX_RANK", "0")).write_text(json.dumps(
 """
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_each_rank_reads_its_share_of_the_weights(mode, tmp_path):
-    """A 32 MB checkpoint of 8 layers: one process holds all of it at its peak; each of 2 ranks reads its
-    share of every layer (tensor) or its 4 layers (pipeline), and the embedding and norms every rank
-    keeps, and peaks well below the whole; they decode what one process decodes."""
-    model = make_checkpoint(tmp_path / "model", "qwen3", seed=3, hidden_size=256, intermediate_size=1024,
+@pytest.fixture(scope="module")
+def read_alone(tmp_path_factory) -> tuple[Path, dict]:
+    """A 32 MB checkpoint of 8 layers, and what one process holds at its peak and decodes with it."""
+    root = tmp_path_factory.mktemp("shares")
+    model = make_checkpoint(root / "model", "qwen3", seed=3, hidden_size=256, intermediate_size=1024,
                             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    whole = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    (tmp_path / "reader.py").write_text(READER)
-    one = subprocess.run([sys.executable, tmp_path / "reader.py", "none", model, tmp_path / "one"],
+    (root / "reader.py").write_text(READER)
+    one = subprocess.run([sys.executable, root / "reader.py", "none", model, root / "one"],
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    run = mlx_launch(sys.executable, tmp_path / "reader.py", mode, model, tmp_path / "two")
+    return model, json.loads((root / "one.0").read_text())
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_each_rank_reads_its_share_of_the_weights(mode, read_alone, tmp_path):
+    """One process holds all of a 32 MB checkpoint at its peak; each of 2 ranks reads its share of every
+    layer (tensor) or its 4 layers (pipeline), and the embedding and norms every rank keeps, and peaks well
+    below the whole; they decode what one process decodes."""
+    model, alone = read_alone
+    whole = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    run = mlx_launch(sys.executable, model.parent / "reader.py", mode, model, tmp_path / "two")
     assert run.returncode == 0, run.stderr
-    alone = json.loads((tmp_path / "one.0").read_text())
     shares = [json.loads((tmp_path / f"two.{r}").read_text()) for r in range(2)]
     assert alone["peak"] > 0.95 * whole  # (the files hold their headers too)
     for share in shares:
