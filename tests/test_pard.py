@@ -237,6 +237,24 @@ def test_pard2_a_later_turn_drafts_as_a_fresh_run(pard2):
     assert len(prompt) < kept[0] < len(context) - 1
 
 
+def test_pard2_reads_features_sent_a_token_at_a_time_as_sent_at_once(pard2):
+    """Plain rounds send one token's features each (kept as they came, joined when the drafter next reads):
+    its drafts are those of the same features sent in one piece."""
+    target, drafter, ref = pard2
+    context = ref["prompt"].tolist()
+    _, hidden = target(mx.array([context]), capture=drafter.capture)  # [1, n, H] a tap
+    drafts = []
+    for pieces in ([len(context) - 1], [1] * (len(context) - 1)):
+        session, at = drafter.new_session(), 0
+        session.add()
+        session.restart(0, context[:1])
+        for n in pieces:  # the features of context[at : at + n], the context then ending at at + n
+            session.commit(0, context[: at + n + 1], tuple(h[:, at : at + n] for h in hidden))
+            at += n
+        drafts.append(session.propose([context], [4], [GREEDY])[0].tokens.tolist())
+    assert drafts[0] == drafts[1]
+
+
 def decoded(decoder: Decoder, prompts: list[list[int]], drafter) -> list[list]:
     """Each row's rounds, (tokens, drafted), greedy: 16 tokens."""
     out = [[] for _ in prompts]

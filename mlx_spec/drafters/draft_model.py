@@ -178,9 +178,9 @@ class Pard2(Pard):
         self.capture = capture  # the target's hidden states it reads; with `norm`, the last is the final norm's output
 
     def new_row(self) -> dict:
-        # the target's features `[T, F]` of positions `start` on (None: none yet): from the one before the next
-        # position the draft model reads
-        return {**super().new_row(), "features": None, "start": 0}
+        # the target's features `[T, F]` of positions `start` on (None: none yet), then each round's taps
+        # since the last read, `pending` (joined when read: a plain round adds no work), up to position `end`
+        return {**super().new_row(), "features": None, "pending": [], "start": 0, "end": 0}
 
     def _session(self) -> Pard2:
         return Pard2(self.model, self.vocab, self.pard_token, self.proj, self.scale, self.capture, self.norm, self.path)
@@ -191,26 +191,40 @@ class Pard2(Pard):
         shared = min(common_prefix(self.cached[b], prompt), len(prompt) - 1)
         kept = min(cached, max(shared - 1, 0))
         self._keep(b, min(shared, kept + 1))
-        self.features[b], self.start[b], self.base[b] = None, kept, len(self.cached[b])
+        self.features[b], self.pending[b], self.base[b] = None, [], len(self.cached[b])
+        self.start[b] = self.end[b] = kept
         return kept
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         super().commit(b, context)
         if not features:
             return
-        last = max(self.capture) if self.norm is not None else None
-        new = mx.concatenate([self.norm(h) if i == last else h for i, h in zip(self.capture, features)], axis=-1)[0]
-        at, old, start = len(context) - 1 - new.shape[0], self.features[b], self.start[b]  # at: new's first position
-        if old is not None and start < at <= start + old.shape[0]:
-            new, at = mx.concatenate([old[: at - start], new]), start
-        drop = min(max(len(self.cached[b]) - 1 - at, 0), new.shape[0] - 1)  # what no read needs any more
-        self.features[b], self.start[b] = new[drop:], at + drop
+        at = len(context) - 1 - features[0].shape[1]  # the position of their first token
+        if at != self.end[b]:  # not where the last ended: these alone
+            self.features[b], self.pending[b], self.start[b] = None, [], at
+        self.pending[b].append(features)
+        self.end[b] = at + features[0].shape[1]
+
+    def _row_features(self, b: int, first: int) -> mx.array | None:
+        """Row b's features `[T, F]` from position `first` on (None: none came), those before dropped."""
+        if self.pending[b]:
+            last = max(self.capture) if self.norm is not None else None
+            taps = [mx.concatenate(tap, axis=1)[0] for tap in zip(*self.pending[b])]  # each [n, H]
+            new = mx.concatenate([self.norm(h) if i == last else h for i, h in zip(self.capture, taps)], axis=-1)
+            held = self.features[b]
+            self.features[b] = new if held is None else mx.concatenate([held, new])
+            self.pending[b] = []
+        f = self.features[b]
+        if f is not None and first > self.start[b]:
+            drop = min(first - self.start[b], f.shape[0] - 1)
+            self.features[b], self.start[b] = f[drop:], self.start[b] + drop
+        return self.features[b]
 
     def _forward(self, feed: mx.array, held: list[int]) -> mx.array:
         S, F = feed.shape[1], self.proj.weight.shape[1]
         rows = []
         for b, first in enumerate(held):
-            f = self.features[b]
+            f = self._row_features(b, first - 1)
             want = np.arange(first - 1, first - 1 + S)  # position j reads the features of j - 1
             if f is None:
                 rows.append(mx.zeros((S, F), self.proj.weight.dtype))
