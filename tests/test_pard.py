@@ -145,14 +145,23 @@ def test_published_and_refused(folders, in_process, checkpoints):
 
 
 def test_copies_mask_is_amds():
-    """The query at position j of copy i sees copy 0 up to position j - i, and itself (AMD's collator's mask)."""
+    """The mask of AMD's collator (AMD-AGI/PARD `pard_train.py`, `pard2_train.py`), built as it builds it: the
+    query at position j of copy i sees copy 0 up to position j - i, and the masks from there to itself
+    (those before it at inference). Compared where the copy has a real token to read (j >= i)."""
     from mlx_spec.train.pard import copies_mask
 
     S, K = 5, 3
+    q = np.arange(K * S)
+    amd = q[None, :] == q[:, None]
+    for i in range(K):
+        amd |= q[None, :] == (q - S * i - i)[:, None]
+        amd |= (q[None, :] < (q - i * S - (i - 1))[:, None]) & (q < (i + 1) * S)[:, None]
     sees = np.array(copies_mask(S, K))[0, 0]
-    for q in range(K * S):
-        i, j = divmod(q, S)
-        assert set(np.flatnonzero(sees[q])) == set(range(j - i + 1)) | {q}
+    for query in q:
+        i, j = divmod(query, S)
+        if j >= i:
+            assert set(np.flatnonzero(sees[query])) == set(np.flatnonzero(amd[query])), (i, j)
+            assert set(np.flatnonzero(sees[query])) == set(range(j - i + 1)) | {(i - t) * S + j - t for t in range(i)}
 
 
 def test_train_pard_makes_the_masks_draft(stride_model, tmp_path):
@@ -313,3 +322,77 @@ def test_pard2_downloads_its_projection_with_the_model(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["identical_to_plain"] is True
     assert list((tmp_path / "hf").glob("models--amd--PARD2-Qwen3-8B/snapshots/*/warp_model.bin"))
+
+
+def test_cat_weights_are_the_targets_odds_of_the_tokens_between():
+    """Copy i's prediction at position j weighs prod_{s=1..i} p(x_{j+1-s}) (AMD's `_build_prev_prob`)."""
+    from mlx_spec.train.pard import cat_weights
+
+    gold = np.random.default_rng(0).uniform(0.1, 1.0, (2, 7))
+    gold[:, 0] = 1.0
+    w = np.array(cat_weights(mx.array(gold, dtype=mx.float32), 4))  # [B, K, S-1]
+    for b, i, j in np.ndindex(2, 4, 6):
+        expected = np.prod([gold[b, j + 1 - s] for s in range(1, i + 1) if j + 1 - s >= 0])
+        assert w[b, i, j] == pytest.approx(expected, rel=1e-5), (b, i, j)
+
+
+def test_train_pard2_reads_the_targets_features_and_drafts(stride_model, tmp_path):
+    """`mlx-spec train pard --target`: PARD-2 (the target's features projected into each input, its loss the
+    target's distribution weighted by the odds of reaching each token) from the stride model itself: the
+    folder loads as PARD-2 as AMD's do, more tokens per target forward than untrained, greedy identical."""
+    from conftest import _fast_blas_env
+    from helpers import cli, tau_on_held_out_rows
+    from tiny import write_stride_data
+
+    data = write_stride_data(tmp_path / "data", stride_model)
+    out = tmp_path / "pard2"
+    proc = cli("train", "pard", "--student", stride_model, "--target", stride_model, "--data", data, "-o", out,
+               "--k", "4", "--steps", "30", "--batch-size", "8", "--seq-len", "32", "--lr", "1e-3", "--warmup", "5",
+               "--quiet", env=_fast_blas_env())
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    target, _ = load_model(str(stride_model))
+    L = target.args.num_hidden_layers
+    assert config["spd_type"] == "pard2" and config["pard2_target_layers"] == [-1]  # AMD's that a shallow one has
+    assert config["pard2_target_dim"] == target.args.hidden_size and (out / "warp_model.safetensors").is_file()
+    trained = make_drafter(f"pard={out}", target)
+    assert isinstance(trained, Pard2) and trained.capture == (L,)
+    model, _ = load_model(str(stride_model))
+    V = target.args.vocab_size
+    untrained = tau_on_held_out_rows(target, stride_model, lambda: Pard(model, V, pard_token=V - 1), 4)
+    tau = tau_on_held_out_rows(target, stride_model, trained.new_session, 4)
+    assert tau > untrained + 0.5, (tau, untrained)
+
+
+def test_pard2_training_reads_what_drafting_reads(pard2, monkeypatch):
+    """In training, copy i at position j (its last real token j - i) reads the features and gives the
+    distribution that drafting gives as its i-th draft after the context up to j - i."""
+    from mlx_spec.train.pard import copies_features, copies_logits
+
+    target, drafter, ref = pard2
+    tokens, K = mx.array(ref["prompt"][None, :12]), 4
+    features, _ = copies_features(target, tokens, drafter.capture, K)
+    trained = copies_logits(drafter.model, tokens, K, drafter.pard_token, drafter.proj(features) * drafter.scale)
+    seen = []
+    read = Pard2._to_target_vocab
+    monkeypatch.setattr(Pard2, "_to_target_vocab", lambda self, logits: seen.append(logits[0]) or read(self, logits))
+    _, taps = target(tokens, capture=drafter.capture)
+    for n in (1, 3, 8):  # the context: the first n tokens
+        session = drafter.new_session()
+        session.add()
+        session.restart(0, ref["prompt"][:n].tolist())
+        session.commit(0, ref["prompt"][:n].tolist(), tuple(h[:, : n - 1] for h in taps) if n > 1 else ())
+        session.propose([ref["prompt"][:n].tolist()], [K], [GREEDY])
+        for i in range(K):
+            np.testing.assert_allclose(np.array(trained[0, i, n - 1 + i]), np.array(seen[-1][i]), atol=1e-4)
+
+
+def test_train_pard2_flags_are_checked(stride_model, tmp_path, in_process):
+    from tiny import write_stride_data
+
+    data = write_stride_data(tmp_path / "data", stride_model)
+    base = ("train", "pard", "--student", stride_model, "--target", stride_model, "--data", data, "-o", tmp_path / "o",
+            "--seq-len", "32", "--steps", "1")
+    assert_one_line_error(in_process(*base, "--feature-drop", "1.5"), "--feature-drop")
+    assert_one_line_error(in_process(*base, "--target-layers", "-1,x"), "--target-layers")
+    assert_one_line_error(in_process(*base, "--target-layers", "40"), "--target-layers", "40")

@@ -235,6 +235,9 @@ class Pard2(Pard):
         return self.model.head(self.model.run_layers(h, self.cache, range(len(self.model.layers))))
 
 
+WARP = ("warp_model.bin", "warp_model.safetensors")  # AMD's (torch.save), or as its converter and mlx-spec write it
+
+
 def _pard2(model: Model, target, token: int, path: Path, config: dict, o: Options) -> Pard2:
     """A PARD-2 drafter: its projection from `warp_model.bin` (beside its weights in the repo), reading the
     target's layers its config names (indices into Hugging Face's `hidden_states`, the last the final norm's)."""
@@ -254,10 +257,15 @@ def _pard2(model: Model, target, token: int, path: Path, config: dict, o: Option
         raise UserError(f"{name}: pard2_scale must be a number, got {scale!r}")
     if not isinstance(model, Model):
         raise UserError(f"{name}: a PARD-2 drafter must be a Llama, Qwen2 or Qwen3 model")
-    warp = hub.resolve(o.source, o.revision, ("warp_model.bin",)) / "warp_model.bin"
+    folder = hub.resolve(o.source, o.revision, WARP)
+    warp = next((folder / name for name in WARP if (folder / name).is_file()), folder / WARP[0])
     if not warp.is_file():
         raise UserError(f"{warp}: missing (PARD-2's feature projection)")
-    weights, bias = read_torch_file(warp), bool(config.get("pard2_proj_bias", False))
+    try:
+        weights = read_torch_file(warp) if warp.suffix == ".bin" else mx.load(str(warp))
+    except (ValueError, RuntimeError) as e:
+        raise UserError(f"{warp}: not readable ({e})") from None
+    bias = bool(config.get("pard2_proj_bias", False))
     proj = nn.Linear(dim, model.args.hidden_size, bias=bias)
     for key, shape in [("weight", (model.args.hidden_size, dim))] + [("bias", (model.args.hidden_size,))] * bias:
         value = weights.get(f"target_proj.{key}")
@@ -304,12 +312,22 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=8,
                    help="positions it learns to fill in one forward (the real one and K-1 masks)")
     p.add_argument("--pard-token", type=int, default=None, help="the mask token (default: the embedding's last row)")
+    p.add_argument("--target", default=None,
+                   help="PARD-2: the target whose features the drafter reads (folder or Hub repo id)")
+    p.add_argument("--target-layers", default=None,
+                   help="PARD-2: the target's hidden states read, as transformers indexes them (-1: the final "
+                        "norm's output; default -1,-8,-16,-24, those the target has)")
+    p.add_argument("--feature-scale", type=float, default=0.02, help="PARD-2: the projected features' scale")
+    p.add_argument("--feature-drop", type=float, default=0.5,
+                   help="PARD-2: how often a row's features are dropped (it drafts without them too)")
     p.set_defaults(lr=1e-4)
 
 
 TRAIN = Recipe("PARD (AMD's recipe): the draft model reads each row K times in one forward, its copies 1..K-1 as "
-               "mask tokens that see the real tokens up to i before them, and learns the token i + 1 ahead; OUT is "
-               "a folder that --drafter pard=OUT loads.", train_arguments, "mlx_spec.train.pard:run")
+               "mask tokens that see the real tokens up to i before them, and learns the token i + 1 ahead; with "
+               "--target, PARD-2's (the target's features projected into each input, the target's distribution "
+               "weighted by how likely it is to reach each token); OUT is a folder that --drafter pard=OUT loads.",
+               train_arguments, "mlx_spec.train.pard:run")
 # AMD's PARD drafters are target-independent: each serves its family's models. A PARD-2 one, trained on one
 # target's features (AMD's evaluation pairs), comes first where there is one.
 PUBLISHED_PARD = {

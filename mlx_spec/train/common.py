@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+import mlx.core as mx
+
 from mlx_spec.errors import UserError
 
 
@@ -143,3 +145,17 @@ def train_blocks_on_target(args: argparse.Namespace, flag: str, count: int, conf
         write_model_files(args.out, config, dict(tree_flatten(net.parameters())))
         print(json.dumps({"out": str(args.out), **result}))
     return 0
+
+
+class KeyedBatches:
+    """Adds a random `key` to each batch, from the step and the seed alone (a
+    resumed run draws the same randomness: LayerSkip's layers to skip, PARD-2's features to drop)."""
+
+    def __init__(self, batches, seed: int):
+        self.batches, self.seed = batches, seed
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __call__(self, i: int) -> dict[str, mx.array]:
+        return {**self.batches(i), "key": mx.random.key(self.seed * 1_000_003 + i)}

@@ -23,23 +23,9 @@ from mlx_spec.models import load_model
 from mlx_spec.models.llama import Model
 from mlx_spec.models.load import read_json
 from mlx_spec.tokenizer import load_tokenizer
-from mlx_spec.train.common import data_batches, train_config
+from mlx_spec.train.common import KeyedBatches, data_batches, train_config
 from mlx_spec.train.distill import masked_mean
 from mlx_spec.train.trainer import Trainer
-
-
-class KeyedBatches:
-    """Adds a random `key` to each batch, from the step and the seed alone (a
-    resumed run draws the same layers to skip)."""
-
-    def __init__(self, batches, seed: int):
-        self.batches, self.seed = batches, seed
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __call__(self, i: int) -> dict[str, mx.array]:
-        return {**self.batches(i), "key": mx.random.key(self.seed * 1_000_003 + i)}
 
 
 def layerskip_loss(model: Model, tokens: mx.array, mask: mx.array, key: mx.array | None,
