@@ -51,7 +51,7 @@ def tv_bound(p, n, quantile=0.999, sims=4000):
     return float(np.quantile(0.5 * np.abs(draws - pv).sum(axis=1), quantile))
 
 
-ALONE, ROWS = 50, 50
+ALONE, ROWS = 50, 16  # ROWS: as many as the server decodes together by default (serve --max-batch)
 
 
 def _draws(model, make_drafter, params, n_tokens, acceptance="exact", width=None):
