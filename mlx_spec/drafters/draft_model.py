@@ -258,7 +258,7 @@ def _pard2(model: Model, target, token: int, path: Path, config: dict, o: Option
     if not isinstance(model, Model):
         raise UserError(f"{name}: a PARD-2 drafter must be a Llama, Qwen2 or Qwen3 model")
     folder = hub.resolve(o.source, o.revision, WARP)
-    warp = next((folder / name for name in WARP if (folder / name).is_file()), folder / WARP[0])
+    warp = next((folder / file for file in WARP if (folder / file).is_file()), folder / WARP[0])
     if not warp.is_file():
         raise UserError(f"{warp}: missing (PARD-2's feature projection)")
     try:

@@ -4,10 +4,10 @@ fill K positions in one forward.
 Each row of S tokens is read K times in one forward, all copies at the same
 positions 0..S-1: copy 0 as it is, copy i (1 <= i < K) as mask tokens. The
 mask at position j of copy i sees the real tokens up to j - i and the masks
-after them up to itself, and learns the token at j + 1: i + 1 ahead of the last token it sees, as the i-th
-mask after the last real token drafts at inference. The loss is the
-cross-entropy over every position of every copy that has a label (the tokens
-`--mask-prompt` keeps), the copies weighted alike.
+after them up to itself, and learns the token at j + 1: i + 1 ahead of the
+last token it sees, as the i-th mask after the last real token drafts at
+inference. The loss is the cross-entropy over every position of every copy
+that has a label (the tokens `--mask-prompt` keeps), the copies weighted alike.
 
 PARD-2 (An et al. 2026; AMD-AGI/PARD `pard/pard2_train.py`), with `--target`:
 each input also gets `scale * target_proj(f)`, f the frozen target's features
