@@ -10,7 +10,7 @@ tests/fixtures/pard_reference/
   pard/    the drafter as amd/PARD-Qwen3-0.6B is laid out: a Qwen3ForCausalLM whose config.json adds
            `pard_token` and `spd_type: "pard"` (here the target's own weights, so that the first
            draft of a round is the target's token and rounds accept some)
-  reference.npz  the prompt, each round's K drafts and the tokens kept, from the loop of AMD-AGI/PARD
+  reference.npz  the prompt, each round's K drafts, their logits and the tokens kept, from the loop of AMD-AGI/PARD
            `pard/pard_infer.py` (its `--para` path, greedy): the draft model reads the kept tokens and
            K-1 pard tokens, the last K logits' argmax are the drafts, the K-1 mask entries leave its cache
 """
@@ -47,16 +47,17 @@ def keep(cache: DynamicCache, n: int) -> None:
         cache.crop(n - cache.get_seq_length())
 
 
-def pard_rounds(target, draft, prompt: torch.Tensor, pard_token: int) -> tuple[list, list]:
-    """AMD's loop, `--para`, greedy: (each round's K drafts, each round's kept tokens)."""
+def pard_rounds(target, draft, prompt: torch.Tensor, pard_token: int) -> tuple[list, list, list]:
+    """AMD's loop, `--para`, greedy: (each round's K drafts, their logits, each round's kept tokens)."""
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     target_input, draft_input = prompt, prompt
-    tokens, drafts, kept = prompt, [], []
+    tokens, drafts, logits_of, kept = prompt, [], [], []
     with torch.no_grad():
         while tokens.shape[1] - prompt.shape[1] < TOKENS:
             masks = torch.full((1, K - 1), pard_token)
             draft_logits = draft(torch.cat([draft_input, masks], 1), past_key_values=draft_cache).logits
             proposed = draft_logits[:, -K:].argmax(-1)  # [1, K]
+            logits_of.append(draft_logits[0, -K:].numpy())
             keep(draft_cache, draft_cache.get_seq_length() - (K - 1))  # the mask entries leave the cache
             target_input = torch.cat([target_input, proposed], 1)
             logits = target(target_input, past_key_values=target_cache).logits
@@ -70,7 +71,7 @@ def pard_rounds(target, draft, prompt: torch.Tensor, pard_token: int) -> tuple[l
             tokens = torch.cat([tokens, accepted], 1)
             keep(target_cache, tokens.shape[1] - 1)
             target_input, draft_input = accepted[:, -1:], accepted
-    return drafts, kept
+    return drafts, logits_of, kept
 
 
 def main() -> None:
@@ -85,9 +86,9 @@ def main() -> None:
     (OUT / "pard" / "config.json").write_text(json.dumps(config, indent=2))
     draft = AutoModelForCausalLM.from_pretrained(OUT / "pard", dtype=torch.float32).eval()
     prompt = torch.from_numpy(np.random.default_rng(2).integers(3, pard_token, size=(1, 16)))
-    drafts, kept = pard_rounds(target, draft, prompt, pard_token)
+    drafts, logits, kept = pard_rounds(target, draft, prompt, pard_token)
     np.savez_compressed(OUT / "reference.npz", prompt=prompt[0].numpy().astype(np.int32),
-                        drafts=np.array(drafts, dtype=np.int32),
+                        drafts=np.array(drafts, dtype=np.int32), logits=np.stack(logits).astype(np.float32),
                         kept=np.array([k + [-1] * (K + 1 - len(k)) for k in kept], dtype=np.int32))
     (OUT / "versions.json").write_text(
         json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n")

@@ -57,9 +57,12 @@ REFERENCE = Path(__file__).parent / "fixtures" / "pard_reference"
 GREEDY = SamplingParams()
 
 
-def test_drafts_are_those_of_amds_pard_loop():
-    """Each round of AMD's loop (its `--para` path) from the context it had: the same K drafts; and
-    mlx-spec's own loop gives the tokens AMD's kept, identical to plain decoding."""
+def test_drafts_are_those_of_amds_pard_loop(monkeypatch):
+    """Each round of AMD's loop (its `--para` path) from the context it had: the same K drafts, from the
+    same logits; and mlx-spec's own loop gives the tokens AMD's kept, identical to plain decoding."""
+    seen = []
+    read = Pard._to_target_vocab
+    monkeypatch.setattr(Pard, "_to_target_vocab", lambda self, logits: seen.append(logits[0]) or read(self, logits))
     ref = np.load(REFERENCE / "reference.npz")
     target, _ = load_model(str(REFERENCE / "target"))
     drafter = make_drafter(f"pard={REFERENCE / 'pard'}", target).new_session()
@@ -71,6 +74,7 @@ def test_drafts_are_those_of_amds_pard_loop():
         if r:
             drafter.commit(0, context)
         assert drafter.propose([context], [K], [GREEDY])[0].tokens.tolist() == drafts
+        np.testing.assert_allclose(np.array(seen[-1]), ref["logits"][r], atol=2e-4)
         context = context + [t for t in kept if t >= 0]
     amd = context[len(ref["prompt"]):]
     n = 24
