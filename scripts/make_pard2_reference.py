@@ -20,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from make_pard_reference import SHAPE, keep, seeded
+from make_pard_reference import SHAPE, keep, seeded, write_reference
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "pard2_reference"
 LAYERS = [-1, -2, -4]  # amd/PARD2-Qwen3-8B reads [-1, -8, -16, -24] of its 36 layers
@@ -102,11 +101,7 @@ def main() -> None:
     torch.save({"target_proj.weight": weight}, OUT / "pard2" / "warp_model.bin")
     prompt = torch.from_numpy(np.random.default_rng(2).integers(3, pard_token, size=(1, 16)))
     drafts, logits, kept = pard2_rounds(target, draft, prompt, pard_token)
-    np.savez_compressed(OUT / "reference.npz", prompt=prompt[0].numpy().astype(np.int32),
-                        drafts=np.array(drafts, dtype=np.int32), logits=np.stack(logits).astype(np.float32),
-                        kept=np.array([k + [-1] * (K + 1 - len(k)) for k in kept], dtype=np.int32))
-    (OUT / "versions.json").write_text(
-        json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n")
+    write_reference(OUT, prompt, drafts, logits, kept)
     print(f"{OUT}: {len(drafts)} rounds, {sum(map(len, kept))} tokens, "
           f"{sum(len(k) - 1 for k in kept)} drafts accepted")
 

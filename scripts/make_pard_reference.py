@@ -87,12 +87,18 @@ def main() -> None:
     draft = AutoModelForCausalLM.from_pretrained(OUT / "pard", dtype=torch.float32).eval()
     prompt = torch.from_numpy(np.random.default_rng(2).integers(3, pard_token, size=(1, 16)))
     drafts, logits, kept = pard_rounds(target, draft, prompt, pard_token)
-    np.savez_compressed(OUT / "reference.npz", prompt=prompt[0].numpy().astype(np.int32),
+    write_reference(OUT, prompt, drafts, logits, kept)
+    print(f"{OUT}: {len(drafts)} rounds, {sum(map(len, kept))} tokens")
+
+
+def write_reference(out: Path, prompt: torch.Tensor, drafts: list, logits: list, kept: list) -> None:
+    """OUT/reference.npz (the prompt, each round's drafts, their logits, the kept tokens padded with -1) and
+    OUT/versions.json."""
+    np.savez_compressed(out / "reference.npz", prompt=prompt[0].numpy().astype(np.int32),
                         drafts=np.array(drafts, dtype=np.int32), logits=np.stack(logits).astype(np.float32),
                         kept=np.array([k + [-1] * (K + 1 - len(k)) for k in kept], dtype=np.int32))
-    (OUT / "versions.json").write_text(
+    (out / "versions.json").write_text(
         json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n")
-    print(f"{OUT}: {len(drafts)} rounds, {sum(map(len, kept))} tokens")
 
 
 if __name__ == "__main__":
