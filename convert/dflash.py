@@ -47,7 +47,8 @@ import mlx.core as mx
 from mlx_spec import hub
 from mlx_spec.convert.family import Converted, Source
 from mlx_spec.weights import read_safetensors
-from mlx_spec.drafters.dflash import DFLASH2, DFlash2Net, DFlashNet, check_dflash_fits, is_dflash2
+from mlx_spec.drafters.dflash import DFlash2Net, DFlashNet, check_dflash_fits
+from mlx_spec.drafters.dflash_layouts import is_dflash2, zlab_config
 from mlx_spec.errors import UserError
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import Model
@@ -79,59 +80,6 @@ def fetch(source: Source) -> Path:
     return hub.resolve(source.name, source.revision, ["config.json", *WEIGHTS])
 
 
-def _from_speculators(published: dict, where: Path) -> dict:
-    """A speculators DFlash / DFlash 2 config as z-lab's (see the module docstring)."""
-    body, ids = published.get("transformer_layer_config"), published.get("aux_hidden_state_layer_ids")
-    if not isinstance(body, dict):
-        raise UserError(f"{where}: transformer_layer_config must hold the draft layers' config")
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 1 for i in ids)):
-        raise UserError(f"{where}: aux_hidden_state_layer_ids must list the target's hidden states it reads (>= 1)")
-    for field, value in (("projector_type", "dflash"), ("shift_label", False), ("sample_from_anchor", False)):
-        if published.get(field, value) not in (value, None):
-            raise UserError(f"{where}: {field} {published[field]!r} drafts otherwise than DFlash; not supported")
-    extra = {"block_size": published.get("block_size"), "mask_token_id": published.get("mask_token_id"),
-             "target_layer_ids": [i - 1 for i in ids]}
-    vocab = published.get("draft_vocab_size")
-    if vocab is not None and vocab != body.get("vocab_size"):  # its own LM head over it, and d2t
-        if published.get("speculators_model_type") == "dflash2":
-            raise UserError(f"{where}: draft_vocab_size {vocab}: a DFlash 2 candidate selector over a draft "
-                            "vocabulary of its own is not supported")
-        extra["draft_vocab_size"] = vocab
-    if published.get("sliding_window_non_causal"):
-        extra["causal"] = False
-    if published.get("speculators_model_type") == "dflash2":
-        extra.update({k: published[k] for k in DFLASH2 if k in published})
-    name = "DFlash2DraftModel" if published.get("speculators_model_type") == "dflash2" else "DFlashDraftModel"
-    return {**body, "architectures": [name], "dflash_config": extra}
-
-
-def _config(published: dict, where: Path) -> dict:
-    """The config to write, after refusing what DFlashNet cannot run."""
-    if str(published.get("speculators_model_type")).startswith("dflash"):
-        published = _from_speculators(published, where)
-    extra = published.get("dflash_config") or {}
-    if "target_layer_ids" not in extra and not published.get("num_target_layers"):
-        raise UserError(
-            f"{where}: neither dflash_config.target_layer_ids nor num_target_layers says which target layers it reads"
-        )
-    config = dict(published)
-    # (DFlash 2's config names its layers' kinds and window outright, as mlx-vlm reads it)
-    window = published.get("sliding_window") if published.get("use_sliding_window") or is_dflash2(published) else None
-    kinds = published.get("layer_types")
-    if kinds is None:
-        first = published.get("max_window_layers", 28)  # Qwen3Config's default
-        n = int(published.get("num_hidden_layers") or 0)
-        kinds = config["layer_types"] = [
-            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)
-        ]
-    if "sliding_attention" in kinds and window is None:
-        raise UserError(
-            f"{where}: sliding_attention layers without use_sliding_window (z-lab's loader then drops "
-            "sliding_window) are not supported"
-        )
-    return config
-
-
 def _ours(name: str) -> str:
     name = name.removeprefix("model.")
     if name in _BOOKS:
@@ -144,7 +92,7 @@ def _ours(name: str) -> str:
 
 def convert(path: Path, source: Source) -> Converted:
     config_path = path / "config.json"
-    config = _config(source.config, config_path)
+    config = zlab_config(source.config, config_path)
     net = build(config, str(config_path))
     vocab = config.get("vocab_size")
     mask = net.settings["mask_token_id"]

@@ -9,7 +9,8 @@ import pytest
 from mlx_spec.cache import KVCache
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters import make_drafter
-from mlx_spec.drafters.dflash import DFlash, DFlashNet, dflash_config, load_dflash, save_dflash
+from mlx_spec.drafters.dflash import DFlash, DFlashNet, load_dflash, save_dflash
+from mlx_spec.drafters.dflash_layouts import dflash_config
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams

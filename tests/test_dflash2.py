@@ -1,7 +1,7 @@
 """DFlash 2 drafters as z-lab publishes them (z-lab/Qwen3.8-27B-DFlash2: `DFlash2DraftModel`, its
 convolutions and candidate selector sized in `dflash_config`, the selector's codebooks stored bare,
-bfloat16): loaded as they are by `--drafter dflash=`, round for round the drafts and logits of
-mlx-vlm's DFlash2DraftModel, its port of z-lab's MLX reference (scripts/make_dflash2_reference.py),
+bfloat16): loaded as they are by `--drafter dflash=`, round for round the drafts, logits and selector
+distributions of z-lab's own DFlash 2 code (z-lab/dflash `dflash/model.py`, scripts/make_dflash2_reference.py),
 greedy output identical to plain decoding alone and in a batch, sampled output distributed as the
 target's (drawn from the selector's own distributions, which acceptance reads)."""
 
@@ -31,22 +31,57 @@ def target():
     return load_model(str(REFERENCE / "target"))[0]
 
 
-def test_drafts_are_mlx_vlms(target, monkeypatch):
-    """Every round mlx-vlm drafted (a block of 5 after the context it had): the same chain, the same logits;
-    the decoded tokens are plain greedy decoding's."""
-    ref = np.load(REFERENCE / "reference.npz")
-    drafter = make_drafter(f"dflash={REFERENCE / 'dflash2'}", target)
+def scaled(tmp_path):
+    """The fixture's weights under the scalings z-lab's code reads in dflash_config (as its own test fixture
+    of a DFlash 2 config sets output_multiplier and final_logit_softcapping)."""
+    folder = tmp_path / "scaled"
+    shutil.copytree(REFERENCE / "dflash2", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"].update(input_embedding_scale=1.5, output_multiplier=0.5, final_logit_softcapping=4.0)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("variant", ["reference", "scaled"])
+def test_drafts_are_z_labs(target, monkeypatch, tmp_path, variant):
+    """Every round z-lab's code drafted (a block of 5 after the context it had, the context past the sliding
+    window): the same chain, the same logits; the decoded tokens are plain greedy decoding's."""
+    ref = np.load(REFERENCE / f"{variant}.npz")
+    folder = REFERENCE / "dflash2" if variant == "reference" else scaled(tmp_path)
+    drafter = make_drafter(f"dflash={folder}", target)
     assert isinstance(drafter.net, DFlash2Net) and drafter.block_size == 5
     logits, head = [], DFlashNet.logits
     monkeypatch.setattr(DFlashNet, "logits", lambda self, t, h: logits.append(head(self, t, h)) or logits[-1])
     assert_rounds_are(ref, target, drafter, 4, logits, lambda r: np.array(r[0][0]), atol=2e-4)
 
 
+def test_the_selectors_distributions_are_z_labs(target, monkeypatch):
+    """At temperature 1, each step's distribution over its candidates along the chain z-lab's selector took
+    (softmax of logit + <A[previous] * P h, B[candidate]>), round for round: what acceptance reads."""
+    ref = np.load(REFERENCE / "reference.npz")
+    monkeypatch.setattr(mx.random, "categorical", lambda lq: mx.argmax(lq, axis=-1))  # take z-lab's chain
+    prompt, tokens = [int(t) for t in ref["prompt"]], [int(t) for t in ref["tokens"]]
+    n = len(prompt) + 1
+    for drafts, candidates, q in zip(ref["drafts"].tolist(), ref["candidates"], ref["q"]):
+        context = (prompt + tokens)[:n]
+        drafter = make_drafter(f"dflash={REFERENCE / 'dflash2'}", target).new_session()
+        drafter.add()
+        _, features = target(mx.array([context[:-1]]), target.make_cache(), capture=drafter.capture)
+        drafter.commit(0, context, features)
+        draft = drafter.propose([context], [4], [SamplingParams(temp=1.0)])[0]
+        assert draft.tokens.tolist() == drafts
+        got = np.exp(np.take_along_axis(np.array(draft.log_probs), candidates, axis=-1))  # [K, top_k]
+        np.testing.assert_allclose(got, q, atol=2e-4, rtol=0)
+        n += next((i for i, (d, t) in enumerate(zip(drafts, tokens[n - len(prompt):])) if d != t), 4) + 1
+        if n - len(prompt) >= len(tokens):
+            break
+
+
 def test_the_speculators_layout_drafts_as_z_labs(target, tmp_path, monkeypatch):
     """The same weights as vllm-project/speculators writes a DFlash 2 drafter (DFlash2Speculator, as
-    RedHatAI/Qwen3-4B-speculator.dflash2 is published: the draft layers' config nested, the convolution and
+    mgoin/Qwen3-4B-speculator.dflash2 is published: the draft layers' config nested, the convolution and
     selector sizes at the top level, the target's hidden states by their index in transformers'
-    `hidden_states`, in-block attention both ways by default): converted on first use, the same rounds."""
+    `hidden_states`, in-block attention both ways by default): read as published, the same rounds."""
     zlab = json.loads((REFERENCE / "dflash2" / "config.json").read_text())
     extra = zlab["dflash_config"]
     config = {"architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2",
@@ -60,11 +95,7 @@ def test_the_speculators_layout_drafts_as_z_labs(target, tmp_path, monkeypatch):
     src = tmp_path / "speculators"
     shutil.copytree(REFERENCE / "dflash2", src)
     (src / "config.json").write_text(json.dumps(config))
-    from mlx_spec.convert.first_use import ready
-
-    monkeypatch.setenv("MLX_SPEC_HOME", str(tmp_path / "home"))
-    drafter = make_drafter(f"dflash={src}", target, prepare=lambda kind, source, rev: ready(kind, source, rev, None,
-                                                                                          lambda line: None))
+    drafter = make_drafter(f"dflash={src}", target)
     assert isinstance(drafter.net, DFlash2Net) and drafter.net.settings["causal"] is False
     logits, head = [], DFlashNet.logits
     monkeypatch.setattr(DFlashNet, "logits", lambda self, t, h: logits.append(head(self, t, h)) or logits[-1])

@@ -154,12 +154,10 @@ def speculators_config(name: str, **changes) -> dict:
 
 @pytest.mark.parametrize("name", ["b16", "sliding"])
 def test_the_speculators_layout_drafts_as_z_labs(tmp_path, target, target_path, name):
-    """The same weights in speculators' layout: the block logits of the reference implementation, and lossless
-    decoding with `--drafter dflash=FOLDER` (converted on first use)."""
+    """The same weights in speculators' layout, read as published (no convert step): the block logits of the
+    reference implementation, and lossless decoding with `--drafter dflash=FOLDER`, nothing converted."""
     src = source(tmp_path, published(name), speculators_config(name))
-    proc = cli("convert", src, "-o", tmp_path / "out", "--target", target_path)
-    assert proc.returncode == 0, proc.stderr
-    net, _, _ = load_dflash(str(tmp_path / "out"))
+    net, _, _ = load_dflash(str(src))
     net.set_dtype(mx.float32)
     assert net.settings["target_layer_ids"] == fixture_config(name)["dflash_config"]["target_layer_ids"]
     ref = np.load(REFERENCE / f"{name}.npz")
@@ -169,6 +167,7 @@ def test_the_speculators_layout_drafts_as_z_labs(tmp_path, target, target_path, 
               "--max-tokens", "16", "--check", "--json", env={"MLX_SPEC_HOME": str(tmp_path / "home")})
     assert gen.returncode == 0, gen.stderr
     assert json.loads(gen.stdout)["identical_to_plain"] is True
+    assert "converting" not in gen.stderr and not (tmp_path / "home" / "converted").exists()
 
 
 def test_a_draft_vocabulary_of_its_own_is_mapped_to_the_targets(tmp_path, target, target_path):
@@ -181,14 +180,15 @@ def test_a_draft_vocabulary_of_its_own_is_mapped_to_the_targets(tmp_path, target
     weights = published("b16") | {"lm_head.weight": head[mx.array(ids)], "d2t": mx.array(ids - np.arange(128)),
                                   "t2d": mx.array(np.isin(np.arange(384), ids))}
     src = source(tmp_path, weights, speculators_config("b16", draft_vocab_size=128))
-    proc = cli("convert", src, "-o", tmp_path / "out", "--target", target_path)
+    proc = cli("convert", src, "-o", tmp_path / "out", "--target", target_path)  # `mlx-spec convert` reads it too
     assert proc.returncode == 0, proc.stderr
-    net, _, _ = load_dflash(str(tmp_path / "out"))
-    net.set_dtype(mx.float32)
     ref = np.load(REFERENCE / "b16.npz")
-    for got, want in zip(drafter_logits(net, target, ref), ref["logits"]):
-        np.testing.assert_allclose(got[:, ids], want[:, ids], rtol=0, atol=1e-4)
-        assert np.isneginf(np.delete(got, ids, axis=1)).all()
+    for folder in (src, tmp_path / "out"):
+        net, _, _ = load_dflash(str(folder))
+        net.set_dtype(mx.float32)
+        for got, want in zip(drafter_logits(net, target, ref), ref["logits"]):
+            np.testing.assert_allclose(got[:, ids], want[:, ids], rtol=0, atol=1e-4)
+            assert np.isneginf(np.delete(got, ids, axis=1)).all()
     gen = cli("generate", "--model", target_path, "--drafter", f"dflash={src}", "--prompt", "def greet(name):",
               "--max-tokens", "16", "--check", "--json", env={"MLX_SPEC_HOME": str(tmp_path / "home")})
     assert gen.returncode == 0, gen.stderr

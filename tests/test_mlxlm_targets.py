@@ -134,7 +134,8 @@ def chain_drafter(kind: str, model):
     """A drafter of `kind` for `model` (random weights where it has any), drafting chains: EAGLE-3
     tapping three layers, a z-lab-layout DFlash drafter tapping every layer."""
     from mlx_spec.drafters import make_drafter
-    from mlx_spec.drafters.dflash import DFlash, DFlashNet, dflash_config
+    from mlx_spec.drafters.dflash import DFlash, DFlashNet
+    from mlx_spec.drafters.dflash_layouts import dflash_config
     from mlx_spec.drafters.mtp_heads import MTPHeads, MTPHeadsDrafter, mtp_heads_config
 
     mx.random.seed(4)
@@ -461,7 +462,8 @@ def test_a_z_lab_dflash_folder_drafts_losslessly(name, tmp_path):
     """A DFlash drafter folder as z-lab publishes it for Qwen3.5 and Qwen3-Coder-30B-A3B (research notes
     1.2: `DFlashDraftModel`, a Qwen3 body, `block_size` inside `dflash_config` in the Qwen3.5 form,
     bfloat16 weights), given as `--drafter dflash=FOLDER` on the hybrid and the MoE target."""
-    from mlx_spec.drafters.dflash import DFlashNet, dflash_config
+    from mlx_spec.drafters.dflash import DFlashNet
+    from mlx_spec.drafters.dflash_layouts import dflash_config
     from mlx_spec.files import write_model_files
 
     path = FIXTURES / name

@@ -15,7 +15,7 @@ are all the drafter caches: each round adds the newly accepted tokens'.
 
 The weights are z-lab's, named as published (`fc`, `hidden_norm`,
 `layers.{i}.*`, `norm`); the embedding and LM head are the target's. A
-z-lab folder loads as it is.
+z-lab folder loads as it is, and so does a speculators one (dflash_layouts.py).
 
 DFlash 2 (`DFlash2DraftModel`, z-lab/Qwen3.8-27B-DFlash2) wraps each layer's
 attention and MLP in a grouped dynamic causal convolution over the block
@@ -40,63 +40,17 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_spec import hub
 from mlx_spec.cache import KVCache, cut_cache
+from mlx_spec.drafters.dflash_layouts import DFLASH2, dflash_settings, is_dflash2, zlab_config
 from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, depth_tree, draw_rows,
                                     joined, padded, spread)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import parse_config
 from mlx_spec.models.llama import DecoderLayer, Model
-from mlx_spec.models.load import load_folder, read_json
+from mlx_spec.models.load import load_folder
 from mlx_spec.models.rope import RoPE
 from mlx_spec.sampling import SamplingParams
-
-
-def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """z-lab's default taps when a config names none: from layer 1 to L - 3, evenly
-    (kept inside the target when it has fewer than 5 layers)."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [L // 2]
-    return [min(max(round(1 + i * (L - 4) / (n - 1)), 0), L - 1) for i in range(n)]
-
-
-def dflash_settings(config: dict, where: str) -> dict:
-    """block_size, mask_token_id, target_layer_ids, layer kinds and window, wherever the config keeps them."""
-    extra = config.get("dflash_config") or {}
-    block = extra.get("block_size", config.get("block_size"))
-    if not isinstance(block, int) or block < 2:
-        raise UserError(f"{where}: 'block_size' (top level or in dflash_config) must be an integer >= 2")
-    mask_id = extra.get("mask_token_id", config.get("mask_token_id"))
-    if not isinstance(mask_id, int) or mask_id < 0:
-        raise UserError(f"{where}: 'dflash_config.mask_token_id' must be a token id")
-    n_layers = int(config.get("num_hidden_layers", 0))
-    layers = extra.get("target_layer_ids") or default_target_layers(int(config.get("num_target_layers") or 0), n_layers)
-    kinds = config.get("layer_types") or ["full_attention"] * n_layers
-    if len(kinds) != n_layers or any(k not in ("full_attention", "sliding_attention") for k in kinds):
-        raise UserError(f"{where}: 'layer_types' must list full_attention or sliding_attention for each of {n_layers} layers")
-    window = config.get("sliding_window") or 0
-    if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
-        raise UserError(f"{where}: sliding-window layers need 'sliding_window'")
-    causal = extra.get("causal", config.get("is_causal"))
-    scaling = {k: float(extra.get(k, config.get(k)) or default) for k, default in SCALING.items()}
-    vocab = extra.get("draft_vocab_size")
-    if vocab is not None and not (isinstance(vocab, int) and 0 < vocab):
-        raise UserError(f"{where}: 'dflash_config.draft_vocab_size' must be a positive integer")
-    return {"block_size": block, "mask_token_id": mask_id, "target_layer_ids": [int(i) for i in layers],
-            "layer_types": kinds, "sliding_window": window, "causal": causal, "draft_vocab_size": vocab, **scaling}
-
-
-# What a DFlash 2 config adds (in dflash_config), and the scalings Gemma 4 and DFlash 2 drafts set
-# (a factor on the target's embedding, one on the logits, a tanh cap on them; 0 caps nothing).
-DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-SCALING = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}
-
-
-def is_dflash2(config: dict) -> bool:
-    extra = config.get("dflash_config") or {}
-    return any("DFlash2" in str(a) for a in config.get("architectures") or []) or any(k in extra for k in DFLASH2)
 
 
 class DFlashNet(nn.Module):
@@ -198,6 +152,10 @@ class DFlashNet(nn.Module):
     def weights(self) -> dict[str, mx.array]:
         return dict(tree_flatten(self.parameters()))
 
+    def sanitize(self, weights: dict) -> dict:
+        """speculators' folders also ship `t2d`, the way back from the target's vocabulary: not needed."""
+        return {k: v for k, v in weights.items() if not (k == "t2d" and "d2t" in self)}
+
 
 class GroupedConv(nn.Module):
     """DFlash 2's grouped dynamic causal convolution over a block (see the module docstring)."""
@@ -288,13 +246,18 @@ class DFlash2Net(DFlashNet):
     def sanitize(self, weights: dict) -> dict:
         """The selector's codebooks are stored bare (`candidate_selector.successor_codebook`)."""
         books = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-        return {f"{k}.weight" if k in books else k: v for k, v in weights.items()}
+        return {f"{k}.weight" if k in books else k: v for k, v in super().sanitize(weights).items()}
 
 
 def load_dflash(path_or_repo: str, revision: str | None = None) -> tuple[DFlashNet, dict, Path]:
-    """A DFlash folder: z-lab's as published (DFlash or DFlash 2), or one `mlx-spec convert`/`train dflash` wrote."""
-    config = read_json(hub.resolve(path_or_repo, revision) / "config.json")
-    net, config, path = load_folder(path_or_repo, revision, DFlash2Net if is_dflash2(config) else DFlashNet)
+    """A DFlash folder as published, z-lab's (DFlash or DFlash 2) or speculators', or one `mlx-spec convert`
+    or `train dflash` wrote."""
+
+    def build(published: dict, where: str) -> DFlashNet:
+        config = zlab_config(published, where)
+        return (DFlash2Net if is_dflash2(config) else DFlashNet)(config, where)
+
+    net, config, path = load_folder(path_or_repo, revision, build)
     if "d2t" in net:
         net.d2t = net.d2t.astype(mx.int32)  # published as int64
     return net, config, path
@@ -321,24 +284,6 @@ def check_dflash_fits(net: DFlashNet, target: Model, what: str) -> None:
         raise UserError(f"{what}: its d2t maps draft tokens outside the target's vocabulary (0..{t.vocab_size - 1})")
     if "candidate_selector" in net and net.args.vocab_size != t.vocab_size:
         raise UserError(f"{what}: its candidate selector knows {net.args.vocab_size} tokens, the target {t.vocab_size}")
-
-
-def dflash_config(target: Model, num_layers: int, block_size: int, mask_token_id: int,
-                  target_layers: list[int] | None = None, intermediate_size: int | None = None) -> dict:
-    """The config of a new DFlash drafter for `target` (z-lab's layout)."""
-    t = target.args
-    return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": t.hidden_size,
-        "num_hidden_layers": num_layers, "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim,
-        "intermediate_size": intermediate_size or t.intermediate_size, "rms_norm_eps": t.rms_norm_eps,
-        "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
-        "vocab_size": t.vocab_size, "num_target_layers": t.num_hidden_layers, "block_size": block_size,
-        "dflash_config": {
-            "mask_token_id": mask_token_id,
-            "target_layer_ids": target_layers or default_target_layers(t.num_hidden_layers, num_layers),
-        },
-    }
 
 
 class DFlash(RowStates):
@@ -467,8 +412,9 @@ PUBLISHED = {
 TRAIN = Recipe("DFlash: a few layers that fill a block of drafts in one forward, reading the target's features "
                "as keys and values; OUT is a folder that --drafter dflash=OUT loads.", train_arguments,
                "mlx_spec.train.dflash:run")
-# z-lab's folders load as published; speculators' convert on first use (`mlx-spec convert` reads every layout).
-CONVERT = Conversion("dflash", as_is=lambda path, config: "speculators_model_type" not in config)
+# z-lab's and speculators' folders load as published (another checkpoint is converted, or told apart, on first use).
+CONVERT = Conversion("dflash", as_is=lambda path, config: config.get("speculators_model_type", "dflash") in
+                     ("dflash", "dflash2"))
 KINDS = (Kind("dflash", "a DFlash block drafter (z-lab's, as published): a whole block of drafts in one small "
               "forward; --tree-budget N verifies a DDTree over the block; --block-size", build,
               source="optional", alone="the one published for --model", takes=("tree_budget", "block_size"),

@@ -18,7 +18,8 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.drafters.dflash import DFlashNet, dflash_config, save_dflash
+from mlx_spec.drafters.dflash import DFlashNet, save_dflash
+from mlx_spec.drafters.dflash_layouts import dflash_config
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.train.common import frozen_target_and_data, layer_list, start_from, train_config
