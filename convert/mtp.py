@@ -238,14 +238,15 @@ def convert_mtp(source_dir: str | Path, out_dir: str | Path, target_config: dict
     return config
 
 
-def target_mtp(path: Path, target) -> "MTPNet":
-    """The MTP modules a target's own checkpoint holds, read from the shards that hold them."""
+def target_mtp(path: Path, target, target_path: Path) -> "MTPNet":
+    """The MTP modules in `path`, read from the shards that hold them: the target's own checkpoint (the
+    folder `target_path`) or a block split out of it (`qwen3_5_mtp`), shaped by the target's config."""
     from mlx.utils import tree_flatten
 
     from mlx_spec.drafters.mtp import MTPNet
     from mlx_spec.models.load import check_weights, read_json
 
-    target_config = read_json(path / "config.json")
+    target_config = read_json(target_path / "config.json")
     layout, weights = read_mtp(path, target_config)
     net = MTPNet(mtp_config(layout, weights, target_config), str(path / "config.json"))
     check_weights(dict(tree_flatten(net.parameters())), weights, {k: path for k in weights}, path, "MTP modules")

@@ -98,6 +98,18 @@ def check_published(spec: str, model: str) -> None:
         published_source(name, model)
 
 
+def split_mtp_block(source: str, revision: str | None) -> Path | None:
+    """The folder of a Qwen3.5/3.6 MTP block split out of its model (`model_type: qwen3_5_mtp`, as
+    mlx-community publishes them), read as it is; None for any other source."""
+    from mlx_spec import hub
+    from mlx_spec.models.load import read_json
+
+    config = hub.resolve(source, revision, ["config.json"]) / "config.json"
+    if not config.exists() or read_json(config).get("model_type") != "qwen3_5_mtp":
+        return None
+    return hub.resolve(source, revision, ["config.json", "model.safetensors"])
+
+
 def drafter(spec: str, target: Target, report: Callable[[str], None] | None = None, **flags) -> Drafter | None:
     """The drafter `--drafter SPEC` names for `target` (None: plain decoding); `flags`
     as `drafters.Options` (revision: of the drafter's repo, tree_budget, ...). A
@@ -108,11 +120,12 @@ def drafter(spec: str, target: Target, report: Callable[[str], None] | None = No
     from mlx_spec.tokenizer import has_thinking_switch
 
     name, _, source = spec.partition("=")
-    if name == "mtp" and not source:  # the target checkpoint's own modules
+    extract = split_mtp_block(source, flags.get("revision")) if name == "mtp" and source else None
+    if name == "mtp" and (not source or extract):  # the target checkpoint's own modules, or its block split out
         from mlx_spec.convert.mtp import target_mtp
         from mlx_spec.drafters.mtp import MTP, check_mtp_fits
 
-        net = target_mtp(target.path, target.model)
+        net = target_mtp(extract or target.path, target.model, target.path)
         check_mtp_fits(net, target.model, f"--drafter {spec}")
         own = MTP(net, target.model)
         distributed.check_drafter(own, spec)

@@ -56,8 +56,11 @@ def target():
 
 
 def rounds(target, spec: str):
+    """The rounds of greedy decoding with `spec`; the block is read as published (nothing is converted)."""
     prompt = np.load(SOURCE / "reference.npz")["prompt"].tolist()
-    drafter = api.drafter(spec, target).new_session()
+    heard = []
+    drafter = api.drafter(spec, target, report=heard.append).new_session()
+    assert heard == []
     return list(speculative_steps(target.model, prompt, GREEDY, 24, drafter, num_draft=2)), prompt
 
 
