@@ -24,20 +24,12 @@ ARCHS = ("llama", "qwen2", "qwen3")
 
 @pytest.fixture
 def in_process(capsys):
-    """`mlx-spec ARGS` run by `cli.main` in this process, as `helpers.cli` runs it in a subprocess (its exit
-    code, stdout and stderr) without an interpreter's start: for the many runs that end in an error."""
-    import subprocess
+    """`helpers.cli_here`: for the many runs that end in an error (what the test printed before is let go)."""
+    from helpers import cli_here
 
-    from mlx_spec.cli import main
-
-    def run(*args) -> subprocess.CompletedProcess:
+    def run(*args):
         capsys.readouterr()
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's own errors
-            code = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
+        return cli_here(*args)
 
     return run
 

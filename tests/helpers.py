@@ -20,6 +20,23 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
     )
 
 
+def cli_here(*args) -> subprocess.CompletedProcess:
+    """`mlx-spec ARGS` run by `cli.main` in this process, as `cli` runs it in a subprocess (its exit code,
+    stdout and stderr), without an interpreter's start."""
+    import contextlib
+    import io
+
+    from mlx_spec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def rendered_prompt(monkeypatch, *args) -> list[int]:
     """The prompt ids `mlx-spec generate ARGS` decodes from (run in this process, output aside)."""
     from mlx_spec import api

@@ -20,6 +20,7 @@ def tiny(seed: int, vocab: int, logit_scale: float = 1.0, **overrides) -> Model:
     weights["model.norm.weight"] *= logit_scale  # flatter or peakier next-token distributions
     model = Model(parse_config(config))
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
+    model.compile()
     return model
 
 

@@ -7,7 +7,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from helpers import assert_one_line_error, cli, rendered_prompt
+from helpers import assert_one_line_error, cli_here, rendered_prompt
 from mlx_spec.cli import build_parser
 from mlx_spec.flags import dest, resolve_aliases
 from mlx_spec.tokenizer import encode_prompt, load_tokenizer
@@ -42,11 +42,11 @@ def test_mlx_lm_flags_set_the_mlx_spec_flags(mlx_lm, ours):
     (("--num-draft-tokens", "2", "--num-draft", "3"), ("--num-draft-tokens 2", "--num-draft 3")),
     (("--system-prompt", "a", "--system", "b"), ("--system-prompt a", "--system b")),
 ])
-def test_an_alias_and_its_flag_must_agree(flags, needles):
-    assert_one_line_error(cli("generate", "--prompt", "x", *flags), *needles)
+def test_an_alias_and_its_flag_must_agree(flags, needles, in_process):
+    assert_one_line_error(in_process("generate", "--prompt", "x", *flags), *needles)
 
 
-def test_system_prompt_comes_before_the_users_message(monkeypatch, capsys, checkpoints):
+def test_system_prompt_comes_before_the_users_message(monkeypatch, capsys, checkpoints, in_process):
     path = checkpoints["qwen3"]
     tokenizer = load_tokenizer(path)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
@@ -54,7 +54,8 @@ def test_system_prompt_comes_before_the_users_message(monkeypatch, capsys, check
     assert encode_prompt(tokenizer, "hi", system="Be brief.") == expected != encode_prompt(tokenizer, "hi")
     for flag in ("--system", "--system-prompt"):
         assert rendered_prompt(monkeypatch, "--model", path, "--prompt", "hi", flag, "Be brief.") == expected
-    assert_one_line_error(cli("generate", "--model", path, "--prompt", "x", "--system", "s", "--no-chat-template"),
+    assert_one_line_error(in_process("generate", "--model", path, "--prompt", "x", "--system", "s",
+                                     "--no-chat-template"),
                           "--system", "--no-chat-template")
 
 
@@ -110,7 +111,7 @@ def test_adapters_apply_as_mlx_lm_applies_them(checkpoints, adapter):
         assert not mx.allclose(logits, plain.model(mx.array([prompt]))[0], atol=1e-2).item()
 
     def tokens(*flags):
-        proc = cli("generate", "--model", path, "--prompt", "Hello fox", "--no-chat-template", "--max-tokens", 12,
+        proc = cli_here("generate", "--model", path, "--prompt", "Hello fox", "--no-chat-template", "--max-tokens", 12,
                    "--json", *flags)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)["tokens"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import screen
-from helpers import cli
+from helpers import cli_here
 from mlx_spec.tui import engine, store
 from mlx_spec.tui.app import ChatApp
 
@@ -37,7 +37,7 @@ def home(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def generated() -> str:
     """What `mlx-spec generate` prints for MESSAGE on the demo, greedy."""
-    proc = cli("generate", "--prompt", MESSAGE, "--max-tokens", MAX_TOKENS)
+    proc = cli_here("generate", "--prompt", MESSAGE, "--max-tokens", MAX_TOKENS)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\n") > 3  # several lines of code
     return proc.stdout.removesuffix("\n")
@@ -442,9 +442,9 @@ def test_no_think_renders_the_prompt_exactly_as_the_template_does(thinking_model
 
 
 def test_think_flags_say_so_when_the_template_has_no_switch(checkpoints, thinking_model):
-    proc = cli("generate", "--model", checkpoints["qwen3"], "--prompt", "hi", "--max-tokens", 2, "--no-think")
+    proc = cli_here("generate", "--model", checkpoints["qwen3"], "--prompt", "hi", "--max-tokens", 2, "--no-think")
     assert proc.returncode == 0 and "no thinking switch" in proc.stderr, proc.stderr
-    proc = cli("generate", "--model", thinking_model, "--prompt", "hi", "--max-tokens", 2, "--no-think")
+    proc = cli_here("generate", "--model", thinking_model, "--prompt", "hi", "--max-tokens", 2, "--no-think")
     assert proc.returncode == 0 and "no thinking switch" not in proc.stderr, proc.stderr
 
     app = ChatApp(str(checkpoints["qwen3"]), max_tokens=4, think=False)
@@ -566,7 +566,7 @@ def _terminal(args: list[str], env: dict, size=(120, 40)):
 
 def test_the_real_program_in_a_terminal_draws_the_answer_every_time(home):
     """Started three times (a race between the answer and the screen would show in some)."""
-    proc = cli("generate", "--prompt", MESSAGE, "--max-tokens", 24)
+    proc = cli_here("generate", "--prompt", MESSAGE, "--max-tokens", 24)
     assert proc.returncode == 0, proc.stderr
     expected = proc.stdout.removesuffix("\n")
     for i in range(3):
@@ -614,7 +614,7 @@ def test_the_snapshot_script_draws_a_question_its_green_answer_and_the_stats(tmp
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     question = MESSAGE
-    reference = cli("generate", "--prompt", question, "--max-tokens", 40)
+    reference = cli_here("generate", "--prompt", question, "--max-tokens", 40)
     svg = out.read_text()
     rows = screen.left_of_stats(screen.svg_lines(svg))
     expected = reference.stdout.removesuffix("\n")

@@ -30,7 +30,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from tiny import make_checkpoint, make_tokenizer
 
-from helpers import assert_one_line_error, cli, fake_hub_cache
+from helpers import assert_one_line_error, cli, cli_here, fake_hub_cache
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch"
 TENSORS = FIXTURES / "tensors"
@@ -290,14 +290,14 @@ def reference_logits():
 
 def test_cli_convert_bin_then_generate(tmp_path, llama_src, reference_logits):
     out = tmp_path / "out"
-    proc = cli("convert", llama_src, "-o", out)
+    proc = cli_here("convert", llama_src, "-o", out)
     assert proc.returncode == 0, proc.stderr
     assert "llama" in proc.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["mlx_spec"] == {"family": "llama", "source": str(llama_src)}
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {f.name for f in out.iterdir()}
     assert mx.array_equal(logits(out), reference_logits)
-    gen = cli("generate", "--model", out, "--prompt", "the fox", "--max-tokens", "6", "--json")
+    gen = cli_here("generate", "--model", out, "--prompt", "the fox", "--max-tokens", "6", "--json")
     assert gen.returncode == 0, gen.stderr
     assert len(json.loads(gen.stdout)["tokens"]) > 0
 

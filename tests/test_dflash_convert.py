@@ -24,7 +24,7 @@ from mlx_spec.drafters.dflash import load_dflash
 from mlx_spec.models import load_model
 from tiny import make_checkpoint
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, cli_here
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dflash"
 REFERENCE = Path(__file__).parent / "fixtures" / "dflash_reference"
@@ -47,7 +47,7 @@ def converted(tmp_path_factory, target_path) -> dict[str, Path]:
     out = {}
     for name in NAMES:
         out[name] = root / name
-        proc = cli("convert", FIXTURES / name, "-o", out[name], "--target", target_path)
+        proc = cli_here("convert", FIXTURES / name, "-o", out[name], "--target", target_path)
         assert proc.returncode == 0, proc.stderr
         assert ": dflash model from" in proc.stdout and "(bfloat16)" in proc.stdout, proc.stdout
     return out
@@ -121,8 +121,8 @@ def test_the_published_folder_loads_as_it_is(converted, target, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_converted_drafter_decodes_losslessly(converted, target_path, name, budget):
     tree = ["--tree-budget", budget] if budget else []
-    gen = cli("generate", "--model", target_path, "--drafter", f"dflash={converted[name]}",
-              "--prompt", "def greet(name):", "--max-tokens", "24", "--check", "--json", *tree)
+    gen = cli_here("generate", "--model", target_path, "--drafter", f"dflash={converted[name]}",
+                   "--prompt", "def greet(name):", "--max-tokens", "24", "--check", "--json", *tree)
     assert gen.returncode == 0, gen.stderr
     result = json.loads(gen.stdout)
     assert result["identical_to_plain"] is True and result["drafted_tokens"] > 0
@@ -180,7 +180,7 @@ def test_a_draft_vocabulary_of_its_own_is_mapped_to_the_targets(tmp_path, target
     weights = published("b16") | {"lm_head.weight": head[mx.array(ids)], "d2t": mx.array(ids - np.arange(128)),
                                   "t2d": mx.array(np.isin(np.arange(384), ids))}
     src = source(tmp_path, weights, speculators_config("b16", draft_vocab_size=128))
-    proc = cli("convert", src, "-o", tmp_path / "out", "--target", target_path)  # `mlx-spec convert` reads it too
+    proc = cli_here("convert", src, "-o", tmp_path / "out", "--target", target_path)  # `mlx-spec convert` reads it too
     assert proc.returncode == 0, proc.stderr
     ref = np.load(REFERENCE / "b16.npz")
     for folder in (src, tmp_path / "out"):

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, cli_here
 from mlx_spec.models import Model, load_model, parse_config
 from tiny import make_config, random_weights
 from mlx_spec.train.distill import DistillConfig, agreement, make_objective
@@ -98,7 +98,7 @@ def test_distill_command_writes_a_loadable_model(checkpoints, data, tmp_path, ex
         assert "lora" not in json.loads((out / "config.json").read_text())
     logits, _ = model(mx.array([[1, 2, 3]]))
     assert logits.shape[-1] == 384
-    gen = cli("generate", "--model", out, "--prompt", "hi", "--max-tokens", "3", "--json")
+    gen = cli_here("generate", "--model", out, "--prompt", "hi", "--max-tokens", "3", "--json")
     assert gen.returncode == 0, gen.stderr
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 6

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error
 from tiny import make_checkpoint
 
 PROMPT = "def is_prime(n):\n"
@@ -257,8 +257,9 @@ def test_each_rank_reads_its_share_of_the_weights(mode, read_alone, tmp_path):
         assert share["tokens"] == alone["tokens"]
 
 
-def test_shard_without_mlx_launch_is_refused():
-    assert_one_line_error(cli("generate", "--prompt", "hi", "--shard", "tensor"), "--shard tensor", "mlx.launch -n")
+def test_shard_without_mlx_launch_is_refused(in_process):
+    assert_one_line_error(in_process("generate", "--prompt", "hi", "--shard", "tensor"), "--shard tensor",
+                          "mlx.launch -n")
 
 
 def _answers(port: int, bodies: list[dict]) -> list[dict]:
@@ -295,21 +296,22 @@ def test_serve_under_two_ranks_answers_as_one_process(mode, tmp_path):
 
     from mlx_spec.serve import serve
 
-    ready, servers = threading.Event(), []
-    threading.Thread(target=serve, args=("demo", "draft", "127.0.0.1", 0), daemon=True,
-                     kwargs=dict(ready=ready, servers=servers)).start()
-    assert ready.wait(120)
-    try:
-        expected = _answers(servers[0].server_port, GREEDY)
-    finally:
-        servers[0].shutdown()
     # Long enough that a forward compiling new shapes on a loaded machine is not taken for a hung rank.
     args = ["serve", "--drafter", "draft", "--port", 0, "--shard", mode, "--shard-timeout", 6]
     procs = ranks([args, args], tmp_path)
     try:
         line = procs[0].stdout.readline()
         port = int(line.rsplit(":", 1)[1].split("/")[0])
-        time.sleep(7)  # idle past --shard-timeout
+        idle = time.monotonic()
+        ready, servers = threading.Event(), []  # one process's answers, while the ranks stay idle
+        threading.Thread(target=serve, args=("demo", "draft", "127.0.0.1", 0), daemon=True,
+                         kwargs=dict(ready=ready, servers=servers)).start()
+        assert ready.wait(120)
+        try:
+            expected = _answers(servers[0].server_port, GREEDY)
+        finally:
+            servers[0].shutdown()
+        time.sleep(max(0.0, idle + 7 - time.monotonic()))  # idle past --shard-timeout
         assert _answers(port, GREEDY) == expected
         assert all(a["usage"]["completion_tokens"] == 16 for a in _answers(port, SAMPLED))
         procs[0].send_signal(signal.SIGTERM)

@@ -20,7 +20,7 @@ from mlx_spec.drafters.eagle import load_eagle
 from mlx_spec.models import load_model
 from tiny import make_checkpoint
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli_here
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch"
 REFERENCE = Path(__file__).parent / "fixtures" / "eagle_reference"
@@ -46,7 +46,7 @@ def converted(tmp_path_factory, checkpoints) -> dict[str, Path]:
     out = {}
     for name, (kind, arch) in CASES.items():
         out[name] = root / name
-        proc = cli("convert", FIXTURES / name, "-o", out[name], "--target", checkpoints[arch])
+        proc = cli_here("convert", FIXTURES / name, "-o", out[name], "--target", checkpoints[arch])
         assert proc.returncode == 0, proc.stderr
         assert f": {kind} model from" in proc.stdout, proc.stdout
     return out
@@ -123,8 +123,8 @@ def test_logits_match_the_reference_implementation(converted, checkpoints, name)
 def test_converted_drafter_decodes_losslessly(converted, checkpoints, name, budget):
     kind, arch = CASES[name]
     tree = ["--tree-budget", budget] if budget else []
-    gen = cli("generate", "--model", checkpoints[arch], "--drafter", f"{kind}={converted[name]}",
-              "--prompt", "def greet(name):", "--max-tokens", "24", "--check", "--json", *tree)
+    gen = cli_here("generate", "--model", checkpoints[arch], "--drafter", f"{kind}={converted[name]}",
+                   "--prompt", "def greet(name):", "--max-tokens", "24", "--check", "--json", *tree)
     assert gen.returncode == 0, gen.stderr
     result = json.loads(gen.stdout)
     assert result["identical_to_plain"] is True and result["drafted_tokens"] > 0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import assert_one_line_error, cli, rendered_prompt
+from helpers import assert_one_line_error, cli_here, rendered_prompt
 from mlx_spec.decoding import plain_steps
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
@@ -33,7 +33,7 @@ def greedy(path, n: int = 12) -> list[int]:
 
 
 def generate(path, *flags) -> str:
-    proc = cli("generate", "--model", path, "--prompt", PROMPT, "--no-chat-template", "--max-tokens", 12, *flags)
+    proc = cli_here("generate", "--model", path, "--prompt", PROMPT, "--no-chat-template", "--max-tokens", 12, *flags)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -64,12 +64,13 @@ def test_config_json_eos_list_counts_when_there_is_no_generation_config(target):
     assert data["tokens"] == full[:stop] and data["finish_reason"] == "stop"
 
 
-def test_a_bad_eos_token_id_is_named(target):
+def test_a_bad_eos_token_id_is_named(target, in_process):
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": "<|im_end|>"}))
-    assert_one_line_error(cli("generate", "--model", target, "--prompt", "x"), "generation_config.json", "eos_token_id")
+    assert_one_line_error(in_process("generate", "--model", target, "--prompt", "x"), "generation_config.json",
+                          "eos_token_id")
 
 
-def test_extra_eos_token_stops_at_a_token_or_an_id(target):
+def test_extra_eos_token_stops_at_a_token_or_an_id(target, in_process):
     tokenizer = load_tokenizer(target)
     full = greedy(target)
     at_token, at_id = first_new(full, 2), first_new(full, 3)
@@ -80,7 +81,7 @@ def test_extra_eos_token_stops_at_a_token_or_an_id(target):
     assert both == tokenizer.decode(full[:at_token]) + "\n"
     assert generate(target, "--extra-eos-token", str(full[at_id])) == tokenizer.decode(full[:at_id]) + "\n"
     for bad in ("<|no such token|>", "99999"):
-        assert_one_line_error(cli("generate", "--model", target, "--prompt", "x", "--extra-eos-token", bad),
+        assert_one_line_error(in_process("generate", "--model", target, "--prompt", "x", "--extra-eos-token", bad),
                               "--extra-eos-token", bad)
 
 
@@ -163,6 +164,6 @@ def test_the_chat_engine_renders_with_the_template_args(thinking_model):  # noqa
     (("--think", "--chat-template-args", '{"enable_thinking": false}'), ("--think", "--chat-template-args")),
 ])
 @pytest.mark.parametrize("command", ["generate", "bench", "chat"])
-def test_bad_template_args_are_one_line(checkpoints, command, flags, needles):
+def test_bad_template_args_are_one_line(checkpoints, command, flags, needles, in_process):
     prompt = ("--prompt", "x") if command == "generate" else ()
-    assert_one_line_error(cli(command, "--model", checkpoints["qwen3"], *prompt, *flags), *needles)
+    assert_one_line_error(in_process(command, "--model", checkpoints["qwen3"], *prompt, *flags), *needles)

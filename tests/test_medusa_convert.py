@@ -22,7 +22,7 @@ from mlx_spec.sampling import SamplingParams
 from tiny import make_checkpoint
 from mlx_spec.tokenizer import load_tokenizer
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, cli_here
 
 FIXTURE = Path(__file__).parent / "fixtures" / "torch" / "medusa"
 PUBLISHED = read_torch_file(FIXTURE / "medusa_lm_head.pt")
@@ -38,7 +38,7 @@ def target(checkpoints) -> Path:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, target) -> Path:
     out = tmp_path_factory.mktemp("medusa") / "out"
-    proc = cli("convert", FIXTURE, "-o", out, "--target", target)
+    proc = cli_here("convert", FIXTURE, "-o", out, "--target", target)
     assert proc.returncode == 0, proc.stderr
     assert "medusa" in proc.stdout and "15 tensors" in proc.stdout
     return out

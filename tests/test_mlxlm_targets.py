@@ -24,7 +24,7 @@ from mlx_spec.models import load_model
 from mlx_spec.models.mlxlm import MLXLMTarget
 from mlx_spec.sampling import SamplingParams
 
-from helpers import assert_one_line_error, cli, later_turns_are_exact
+from helpers import assert_one_line_error, cli_here, later_turns_are_exact
 from stats import N, STAT_PROMPT, V, empirical_tv, told_apart, exact_joint, tiny, tv_bound
 from test_speculative import resample_from_target
 
@@ -217,7 +217,7 @@ def test_an_architecture_mlx_spec_does_not_run_is_named(tmp_path):
     shutil.copytree(FIXTURES / "qwen3_moe", folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
-    proc = cli("generate", "--model", folder, "--prompt", "hi", "--max-tokens", "4")
+    proc = cli_here("generate", "--model", folder, "--prompt", "hi", "--max-tokens", "4")
     assert_one_line_error(proc, "config.json", "gpt_neox")
 
 
@@ -446,8 +446,8 @@ def test_bench_on_a_hybrid_target_reports_the_rollback(tmp_path):
     make_tokenizer(target_dir, 250)
     report, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\n" * 6}) + "\n")  # (context 512)
-    proc = cli("bench", "--model", target_dir, "--drafters", "lookup", "--prompts", prompts,
-               "--max-tokens", "16", "--repeats", "1", "--temps", "0", "--no-chat-template", "--json", report)
+    proc = cli_here("bench", "--model", target_dir, "--drafters", "lookup", "--prompts", prompts,
+                    "--max-tokens", "16", "--repeats", "1", "--temps", "0", "--no-chat-template", "--json", report)
     assert proc.returncode == 0, proc.stderr
     assert "linear-attention rollback:" in proc.stdout and "of a plain step" in proc.stdout
     data = json.loads(report.read_text())
@@ -494,8 +494,8 @@ def test_generate_with_the_checkpoints_own_mtp_reports_tau(name, tmp_path):
     target_dir = tmp_path / name
     shutil.copytree(FIXTURES / name, target_dir)
     make_tokenizer(target_dir, 250)
-    proc = cli("generate", "--model", target_dir, "--drafter", "mtp", "--prompt", "the lazy dog jumps over the lazy",
-               "--max-tokens", "16", "--no-chat-template", "--check", "--json")
+    proc = cli_here("generate", "--model", target_dir, "--drafter", "mtp", "--prompt",
+                    "the lazy dog jumps over the lazy", "--max-tokens", "16", "--no-chat-template", "--check", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["identical_to_plain"] is True and out["drafter"] == "mtp" and out["tau"] >= 1.0
