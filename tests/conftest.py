@@ -50,8 +50,9 @@ def checkpoints(tmp_path_factory) -> dict:
 def _fast_blas_env() -> dict:
     # Training needs no bit-exactness, and the reference BLAS selected above
     # makes it several times slower: train in a child process with OpenBLAS.
-    # Empty rather than absent: `helpers.cli` lays these over the test's own environment.
-    return {**os.environ, "MLX_SPEC_NO_OPENBLAS": ""}
+    # Empty rather than absent: `helpers.cli` lays these over the test's own environment. One thread: two
+    # test workers share the cores, and OpenBLAS's helpers would spin beside the other worker's process.
+    return {**os.environ, "MLX_SPEC_NO_OPENBLAS": "", "OPENBLAS_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")

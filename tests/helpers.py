@@ -20,21 +20,32 @@ def cli(*args, env=None) -> subprocess.CompletedProcess:
     )
 
 
-def cli_here(*args) -> subprocess.CompletedProcess:
+def cli_here(*args, env=None) -> subprocess.CompletedProcess:
     """`mlx-spec ARGS` run by `cli.main` in this process, as `cli` runs it in a subprocess (its exit code,
-    stdout and stderr), without an interpreter's start."""
+    stdout and stderr), without an interpreter's start; `env` is laid over the environment while it runs
+    (what mlx-spec reads as it goes: MLX_SPEC_HOME, not the BLAS it started with)."""
     import contextlib
     import io
 
     from mlx_spec.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's own errors
-            code = e.code
+    out, err, before = io.StringIO(), io.StringIO(), dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's own errors
+                code = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_cli(*args, env=None) -> subprocess.CompletedProcess:
+    """`cli_here`, or `cli` where `env` sets what mlx-spec (or huggingface_hub, or the BLAS) reads as it starts."""
+    return cli(*args, env=env) if env else cli_here(*args)
 
 
 def rendered_prompt(monkeypatch, *args) -> list[int]:

@@ -6,8 +6,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from helpers import assert_one_line_error
-from helpers import cli as run
+from helpers import assert_one_line_error, run_cli as run
+
 
 
 def test_generate_json_and_stream_agree(checkpoints):

@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from helpers import assert_one_line_error
-from helpers import cli as run
+from helpers import assert_one_line_error, run_cli as run
 from mlx_spec import demo, hub
 from mlx_spec.drafters import find_drafter
 from mlx_spec.published import is_demo

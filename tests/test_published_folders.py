@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_one_line_error, cli, fake_hub_cache
+from helpers import assert_one_line_error, cli, cli_here, fake_hub_cache
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TORCH = FIXTURES / "torch"
@@ -35,7 +35,9 @@ CASES = {
 
 
 def generate(target, spec: str, home: Path, *extra, env=None):
-    return cli("generate", "--model", target, "--drafter", spec, "--prompt", "def greet(name):",
+    # (huggingface_hub reads its cache's place as it is imported: a run given another starts a process)
+    run = cli if env else cli_here
+    return run("generate", "--model", target, "--drafter", spec, "--prompt", "def greet(name):",
                "--max-tokens", "24", "--check", "--json", *extra, env={"MLX_SPEC_HOME": str(home), **(env or {})})
 
 
