@@ -243,6 +243,23 @@ def test_layer_kinds_follow_transformers_qwen3_config(tmp_path):
         assert json.loads((out / "config.json").read_text())["layer_types"] == kinds, extra
 
 
+def test_sliding_layers_without_use_sliding_window_see_the_whole_context(tmp_path, target):
+    """As z-lab's code reads such a config (transformers' Qwen3Config drops sliding_window unless
+    use_sliding_window): no window, the block still attended causally in those layers; as a window
+    wider than any context."""
+    config = fixture_config("sliding") | {"use_sliding_window": False}
+    unwindowed = source(tmp_path / "a", published("sliding"), config)
+    causal = source(tmp_path / "b", published("sliding"), config | {"use_sliding_window": True, "sliding_window": 4096})
+    ref = np.load(REFERENCE / "sliding.npz")
+    nets = [load_dflash(str(folder))[0] for folder in (unwindowed, causal)]
+    assert nets[0].settings["sliding_window"] == 0 and "sliding_attention" in nets[0].settings["layer_types"]
+    windowed = load_dflash(str(FIXTURES / "sliding"))[0]
+    got, want, other = (drafter_logits(net, target, ref) for net in (*nets, windowed))
+    for a, b, c in zip(got, want, other):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.allclose(a, c) for a, c in zip(got, other))  # the window of 4 did bite
+
+
 def test_detection_leaves_the_other_families_alone(tmp_path):
     families = [f.NAME for f in pipeline.FAMILIES]
     assert families.index("dflash") < families.index("eagle3") and families[-1] == "llama"
@@ -312,10 +329,6 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
         elif kind == "no taps":
             del config["dflash_config"]["target_layer_ids"], config["num_target_layers"]
             needle = "neither dflash_config.target_layer_ids nor num_target_layers"
-        elif kind == "sliding without flag":
-            config["layer_types"] = ["sliding_attention", "full_attention"]
-            config["sliding_window"] = 4
-            needle = "sliding_attention layers without use_sliding_window"
         elif kind.startswith("speculators"):
             config, needle = {
                 "speculators domino": (speculators_config("b16", projector_type="domino"),
@@ -335,7 +348,7 @@ def damaged(kind: str, tmp_path: Path) -> tuple[Path, str, str]:
 @pytest.mark.parametrize(
     "kind",
     ["missing", "wrong shape", "fc width", "not floating", "unexpected", "twice", "own lm_head", "own embedding",
-     "dflash2 tensors", "dflash2", "mask id", "no block size", "no taps", "sliding without flag",
+     "dflash2 tensors", "dflash2", "mask id", "no block size", "no taps",
      "speculators domino", "speculators anchor", "speculators vocab", "speculators dflash2 vocab", "speculators ids"],
 )
 def test_what_cannot_be_converted_is_a_one_line_error(tmp_path, kind, in_process):

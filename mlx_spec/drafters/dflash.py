@@ -94,7 +94,7 @@ class DFlashNet(nn.Module):
         seen = np.broadcast_to(k < ctx, (len(lengths), N, L))
         i_, j_ = np.arange(N)[:, None], np.arange(N)[None, :]  # block queries, block keys
         own = (j_ <= i_) if causal else np.ones((N, N), dtype=bool)
-        if sliding:
+        if sliding and s["sliding_window"]:
             w = s["sliding_window"]
             seen = seen & (q - k < w)
             own = own & (i_ - j_ < w) & (causal | (j_ - i_ < w))  # the window, on both sides when not causal

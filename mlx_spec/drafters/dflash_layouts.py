@@ -37,9 +37,9 @@ def dflash_settings(config: dict, where: str) -> dict:
     kinds = config.get("layer_types") or ["full_attention"] * n_layers
     if len(kinds) != n_layers or any(k not in ("full_attention", "sliding_attention") for k in kinds):
         raise UserError(f"{where}: 'layer_types' must list full_attention or sliding_attention for each of {n_layers} layers")
-    window = config.get("sliding_window") or 0
-    if "sliding_attention" in kinds and (not isinstance(window, int) or window < 1):
-        raise UserError(f"{where}: sliding-window layers need 'sliding_window'")
+    window = config.get("sliding_window") or 0  # 0: none (a sliding layer is then causal by default, no more)
+    if not isinstance(window, int) or window < 0:
+        raise UserError(f"{where}: 'sliding_window' must be a number of tokens")
     causal = extra.get("causal", config.get("is_causal"))
     scaling = {k: float(extra.get(k, config.get(k)) or default) for k, default in SCALING.items()}
     vocab = extra.get("draft_vocab_size")
@@ -127,9 +127,6 @@ def zlab_config(published: dict, where: Path | str) -> dict:
         kinds = config["layer_types"] = [
             "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)
         ]
-    if "sliding_attention" in kinds and window is None:
-        raise UserError(
-            f"{where}: sliding_attention layers without use_sliding_window (z-lab's loader then drops "
-            "sliding_window) are not supported"
-        )
+    if window is None:  # its sliding layers then see the whole context (causally, unless is_causal says not)
+        config["sliding_window"] = None
     return config
