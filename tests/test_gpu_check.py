@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_gpu_check_runs_to_its_end_and_prints_as_it_goes(tmp_path):
-    env = {**os.environ, "MLX_SPEC_NO_OPENBLAS": "", "TOKENS": "4", "PROMPTS": "1", "CONCURRENCY": "1,2",
-           "WIDEN": "--hidden 256 --heads 4 --intermediate 768 --layers 8 --dtype float32",
+    env = {**os.environ, "MLX_SPEC_NO_OPENBLAS": "", "OPENBLAS_NUM_THREADS": "1", "TOKENS": "4", "PROMPTS": "1",
+           "CONCURRENCY": "1,2", "WIDEN": "--hidden 256 --heads 4 --intermediate 768 --layers 8 --dtype float32",
            "DRAFTERS": "student lookup", "BENCH_ARGS": "--no-mlx-lm"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _fast_blas_env
 from helpers import fake_hub_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,8 @@ def hub(tmp_path_factory, checkpoints) -> dict:
     fake_hub_cache(cache, "z-lab/Qwen3-8B-DFlash-b16", FIXTURES / "dflash" / "b16")
     fake_hub_cache(cache, "Qwen/Qwen3-8B", make_checkpoint(root / "qwen3-8b", "qwen3", seed=5, num_hidden_layers=6, **big))
     fake_hub_cache(cache, "Qwen/Qwen3-0.6B", make_checkpoint(root / "qwen3-0.6b", "qwen3", seed=6, **big))
-    return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "MLX_SPEC_HOME": str(root / "home"),
+    # (OpenBLAS as a user has it: nothing here asserts bit-exactness)
+    return {**_fast_blas_env(), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "MLX_SPEC_HOME": str(root / "home"),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
@@ -169,7 +171,7 @@ def test_train_then_draft(hub, tmp_path):
 
 def test_the_speed_table_command(tmp_path):
     """At a small size: the widening's shape and the run's length are cut by flags appended."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**_fast_blas_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     widen = command("python3 scripts/widen_demo.py widened").replace("scripts/", f"{ROOT}/scripts/")
     shell(f"{widen} --hidden 256 --heads 4 --intermediate 768 --layers 8", tmp_path, env)
     bench = command("mlx-spec bench --model widened/target")
