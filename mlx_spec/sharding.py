@@ -144,6 +144,13 @@ class _Elsewhere(_Rows):
     def remove(self, b: int) -> None:
         del self.lengths[b]
 
+    def row(self, b: int) -> "_Elsewhere":
+        one = _Elsewhere()
+        one.lengths = [self.lengths[b]]
+        return one
+
+    nbytes = 0
+
     @property
     def state(self) -> list:
         return []

@@ -119,3 +119,31 @@ def test_a_batch_is_kept_full_and_timed_while_it_is(checkpoints):
     # rounds 1-3: sequences 0 and 1; 4-6: 1 and 2 (0 done after 3); 7: 2 and 3 (1 done after 6); 2 ends after 7
     assert (tokens, rounds, drafted) == (14, 7, 0) and seconds > 0
     assert in_flight == [2] * 7 + [1] and started == [4] and not decoder.rows
+
+
+def test_each_prompt_is_read_once_for_all_of_mlx_specs_methods(monkeypatch, tmp_path):
+    """mlx-spec's methods go on from one reading of each prompt (a long context's prefill takes minutes on a
+    CPU): the target reads each of 2 prompts once for 3 methods, their warm-ups, 2 repeats and the machine
+    section (18 readings before), and every answer is still plain decoding's."""
+    import json
+
+    import mlx_spec.decoding as decoding
+    from helpers import cli_here
+
+    read, prefill = [], decoding.prefill
+
+    def counted(model, tokens, cache, *args, **kwargs):
+        read.append(len(tokens))
+        return prefill(model, tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "prefill", counted)
+    monkeypatch.setattr(methods, "prefill", counted)
+    report = tmp_path / "bench.json"
+    out = cli_here("bench", "--drafters", "draft,lookup", "--prompts", "code", "--num-prompts", "2", "--max-tokens",
+                   "8", "--repeats", "2", "--temps", "0", "--no-mlx-lm", "--json", report)
+    assert out.returncode == 0, out.stderr
+    # (a method going on from a reading reads nothing more; nor the machine section, after the first prompt)
+    assert len([n for n in read if n]) == 2, read
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["mlx-spec", "mlx-spec draft", "mlx-spec lookup"]
+    assert all(r["identical_to_plain"] and r["prompt_tps"] > 0 for r in rows)

@@ -6,7 +6,9 @@ speculative decoding beside each draft model. Every method decodes the same
 prompts for the same number of tokens from the same checkpoint; for each
 repeat and prompt the methods run one after another, so machine noise hits all
 alike, in a new order each time (a run is slowed or sped by what ran just before
-it). Per method and temperature we report the median decode tokens/s (and its
+it). The target reads each prompt once; mlx-spec's methods go on from a copy of
+that reading (their time to the first token counts it), mlx-lm's read their own.
+Per method and temperature we report the median decode tokens/s (and its
 spread), the median over runs of the ratio to plain decoding on the same prompt
 and repeat, tau (tokens per target forward), acceptance by draft position, the
 drafting overhead c, and for greedy rows whether every output was identical to
@@ -27,7 +29,7 @@ from mlx_spec import distributed, exact
 from mlx_spec.bench.batches import batch_sizes, measure_concurrency, take_turns
 from mlx_spec.bench.machine import (bandwidth_bound, drafter_bytes, read_per_step, rollback_cost, round_overhead,
                                     verification_curve)
-from mlx_spec.bench.methods import load_prompts, make_runners, time_run
+from mlx_spec.bench.methods import load_prompts, make_runners, ours, read_prompt, time_run
 from mlx_spec.bench.report import PLAIN, Progress, MethodRow, format_report, median, plot_report, predict
 from mlx_spec.errors import UserError
 from mlx_spec.generate import context_overflow
@@ -50,16 +52,18 @@ def _checked(args: argparse.Namespace, prompts: list[list[int]], context: int) -
                             else f"--prompt: {overflow}")
 
 
-def _rows_at(temp: float, runners: dict, prompts: list[list[int]], args: argparse.Namespace, warm: int, model,
-             progress: Progress) -> list[MethodRow]:
-    """Every method's row at one temperature: a warm-up each, then every prompt, repeat after repeat."""
+def _rows_at(temp: float, runners: dict, prompts: list[list[int]], first: tuple[list, float], args: argparse.Namespace,
+             warm: int, model, progress: Progress) -> list[MethodRow]:
+    """Every method's row at one temperature: a warm-up each, then every prompt, its repeats one after another
+    (the prompt read once for them all; `first`: the first prompt's reading)."""
     params, n = SamplingParams(temp=temp), args.max_tokens
     table = {name: MethodRow(name, temp) for name in runners}
     for name, run in runners.items():
-        time_run(run(prompts[0], params, warm), len(prompts[0]), warm)
+        time_run(_run(name, run, prompts[0], params, warm, first), len(prompts[0]), warm)
         progress.step(f"temperature {temp:g}, warming up {name}", warm)
-    for r in range(args.repeats):
-        for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts):
+        held = read_prompt(model, prompt) if i else first
+        for r in range(args.repeats):
             timed = {}
             # A new order each time: a run is slowed or sped by what ran just before it, and no
             # method should always follow the same one.
@@ -67,9 +71,11 @@ def _rows_at(temp: float, runners: dict, prompts: list[list[int]], args: argpars
             random.Random(r * len(prompts) + i).shuffle(order)
             for name, run in order:
                 mx.random.seed(r)
+                events = _run(name, run, prompt, params, n, held)
                 mx.reset_peak_memory()
-                timed[name] = time_run(run(prompt, params, n), len(prompt), n, table[name].metrics)
-                table[name].peak = max(table[name].peak, mx.get_peak_memory())
+                timed[name] = time_run(events, len(prompt), n, table[name].metrics, held[1] if ours(name) else 0.0)
+                # the prompts' readings the bench holds for the next method are not the method's
+                table[name].peak = max(table[name].peak, mx.get_peak_memory() - _bytes(first, held))
                 progress.step(f"temperature {temp:g}, prompt {i + 1}/{len(prompts)}: {name}", n)
             base_tps, plain_tokens = timed[PLAIN][1], timed[PLAIN][2]
             for name, (ptps, dtps, tokens, rounds) in timed.items():
@@ -85,6 +91,15 @@ def _rows_at(temp: float, runners: dict, prompts: list[list[int]], args: argpars
     progress.say(f"temperature {temp:g}: " + ", ".join(
         f"{name} {median(row.ratios):.2f}x" for name, row in table.items() if name != PLAIN))
     return list(table.values())
+
+
+def _bytes(*readings: tuple[list, float]) -> int:
+    return sum(c.nbytes for held in {id(r): r for r in readings}.values() for c in held[0])
+
+
+def _run(name: str, run, prompt: list[int], params: SamplingParams, n: int, held: tuple[list, float]):
+    """A method's run of `prompt`; mlx-spec's go on from a copy of its shared reading `held`."""
+    return run(prompt, params, n, cache=[c.row(0) for c in held[0]]) if ours(name) else run(prompt, params, n)
 
 
 def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> dict:
@@ -105,17 +120,20 @@ def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> di
     # policy learns what drafting costs here, as a chat's earlier turns teach it)
     progress = Progress(len(args.temps) * (len(runners) * (warm + args.repeats * len(prompts) * n) +
                                            sum(max(len(prompts), B) * min(n, 64) * (len(drafters) + 1) for B in sizes)))
-    rows = [row for temp in args.temps for row in _rows_at(temp, runners, prompts, args, warm, model, progress)]
+    first = read_prompt(model, prompts[0])
+    rows = [row for temp in args.temps for row in _rows_at(temp, runners, prompts, first, args, warm, model, progress)]
     # Batches decode up to 64 tokens a sequence: enough for the policy to settle, a batch of 16 in seconds.
     concurrency = (measure_concurrency(model, drafters, prompts, sizes, min(n, 64), args.temps, num_draft, progress,
                                        width) if sizes else [])
     progress.done()
-    return {**_machine(args, model, rows, drafters, prompts, sizes), "exact_width": width, "concurrency": concurrency}
+    return {**_machine(args, model, rows, drafters, prompts, first[0], sizes), "exact_width": width,
+            "concurrency": concurrency}
 
 
 def _machine(args: argparse.Namespace, model, rows: list[MethodRow], drafters: dict, prompts: list[list[int]],
-             sizes: list[int]) -> dict:
-    """The report but for the batches: the rows, and what the machine and the target cost."""
+             held: list, sizes: list[int]) -> dict:
+    """The report but for the batches: the rows, and what the machine and the target cost (after the first
+    prompt, `held` its reading)."""
     weights = tree_flatten(model.parameters())
     step_bytes = read_per_step(model)
     bandwidth, bound = bandwidth_bound(step_bytes)
@@ -140,8 +158,9 @@ def _machine(args: argparse.Namespace, model, rows: list[MethodRow], drafters: d
         "repeats": args.repeats,
         "rows": reported,
         # (as many samples of the machine's costs as the rows were asked to measure: 10 a repeat)
-        "rollback": rollback_cost(model, prompts[0], repeats=10 * args.repeats),
-        "verification_ms": verification_curve(model, prompts[0], sorted({1, *sizes}), 8, repeats=args.repeats + 2),
-        "round_overhead": round_overhead(model, prompts[0], rounds=10 * args.repeats),
+        "rollback": rollback_cost(model, prompts[0], held, repeats=10 * args.repeats),
+        "verification_ms": verification_curve(model, prompts[0], held, sorted({1, *sizes}), 8,
+                                              repeats=args.repeats + 2),
+        "round_overhead": round_overhead(model, prompts[0], held, rounds=10 * args.repeats),
         "shard": distributed.describe(),
     }

@@ -47,17 +47,21 @@ def bandwidth_bound(step_bytes: int) -> tuple[float, float | None]:
     return streaming, streaming / step_bytes
 
 
-def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> dict | None:
+def copy(held: list) -> list:
+    """A one-row cache's copy (`read_prompt`'s reading of a prompt, which every measurement goes on from)."""
+    return [c.row(0) for c in held]
+
+
+def rollback_cost(model, prompt: list[int], held: list, k: int = 4, repeats: int = 30) -> dict | None:
     """What rolling a hybrid target's linear-attention layers back costs a round: after a verification
     of k + 1 tokens, the next step with a cut to about half of them first (it replays the recurrence
     for the kept tokens) against the next step with no cut, a plain step; the two kinds of round
-    interleaved on one cache. None for a target with no linear-attention layers."""
+    interleaved on one cache (after `held`, the prompt read). None for a target with no linear-attention layers."""
     from mlx_spec.cache import RecurrentCache, cut_cache
 
-    cache = model.make_cache()
-    if not any(isinstance(c, RecurrentCache) for c in cache):
+    if not any(isinstance(c, RecurrentCache) for c in held):
         return None
-    mx.eval(model(mx.array([prompt]), cache)[0])
+    cache = copy(held)
     steps: dict[bool, list[float]] = {True: [], False: []}
     for i in range(2 * repeats + 2):
         cut = i % 2 == 0
@@ -73,14 +77,17 @@ def rollback_cost(model, prompt: list[int], k: int = 4, repeats: int = 30) -> di
     return {"replayed_tokens": k // 2 + 1, "rollback_ms": 1e3 * (with_cut - plain), "plain_step_ms": 1e3 * plain}
 
 
-def verification_curve(model, prompt: list[int], sizes: list[int], most: int, repeats: int = 5) -> dict:
+def verification_curve(model, prompt: list[int], held: list, sizes: list[int], most: int, repeats: int = 5) -> dict:
     """What a target forward of S tokens a row costs, S = 1..most + 1, at each batch size (ms, the median
-    of `repeats`, after the prompt's context): the curve the policy weighs drafts against. One token to two
-    is a step on a GPU (a matrix-vector product becomes a matrix product), flat after it; on a CPU it rises."""
+    of `repeats`, after the prompt's context `held`, each row a copy): the curve the policy weighs drafts
+    against. One token to two is a step on a GPU (a matrix-vector product becomes a matrix product), flat
+    after it; on a CPU it rises."""
     out = {}
     for B in sizes:
-        cache = model.make_cache(rows=B)
-        mx.eval(model(mx.array([prompt] * B), cache)[0])
+        cache = copy(held)
+        for _ in range(B - 1):
+            for c, row in zip(cache, copy(held)):
+                c.extend(row)
         times = {}
         for S in range(1, most + 2):
             tokens = mx.array([prompt[-1:] * S] * B)  # [B, S]
@@ -106,14 +113,14 @@ class FreeDrafter(RowStates):
         return Draft.rows(mx.zeros((len(ks), max(ks)), dtype=mx.int32), None, ks)
 
 
-def round_overhead(model, prompt: list[int], k: int = 4, rounds: int = 30) -> dict:
+def round_overhead(model, prompt: list[int], held: list, k: int = 4, rounds: int = 30) -> dict:
     """The host's work in one speculative round of one sequence (policy, inputs, acceptance, cache cuts,
     commits, events): a round whose drafter costs nothing against the bare verification forward over
-    the same k + 1 tokens, evaluated and trimmed back; the two interleaved, medians of `rounds`."""
-    decoder = Decoder(model, num_draft=k)
+    the same k + 1 tokens, evaluated and trimmed back; the two interleaved, medians of `rounds` (each
+    going on from `held`, the prompt read)."""
+    decoder = Decoder(model, num_draft=k, cache=copy(held))
     decoder.add(0, prompt, SamplingParams(), (k + 1) * (rounds + 2), FreeDrafter())
-    cache = model.make_cache()
-    mx.eval(model(mx.array([prompt]), cache)[0])
+    cache = copy(held)
     verify = mx.array([prompt[-1:] + [0] * k])  # [1, k + 1]
     times: dict[str, list[float]] = {"round": [], "forward": []}
     for i in range(rounds + 2):

@@ -12,23 +12,40 @@ import mlx.core as mx
 
 from mlx_spec import distributed, exact
 from mlx_spec.bench.report import PLAIN
-from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.decoding import plain_steps, prefill, speculative_steps
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import Metrics, StepEvent
 from mlx_spec.models.dtypes import cast_floating, compute_dtype
-from mlx_spec.sampling import SamplingParams
 
 SUITES = Path(__file__).parent.parent / "prompts"  # built-in prompt suites, NAME.jsonl
 
-# A runner decodes one prompt: (prompt tokens, params, max tokens) -> step events.
-Runner = Callable[[list[int], SamplingParams, int], Generator[StepEvent, None, None]]
+# A runner decodes one prompt: (prompt tokens, params, max tokens) -> step events. mlx-spec's also take
+# `cache=`: the target's cache holding the prompt but its last token (`read_prompt`), which it goes on from.
+Runner = Callable[..., Generator[StepEvent, None, None]]
 
 
-def time_run(events: Generator[StepEvent, None, None], n_prompt: int, max_tokens: int, metrics: Metrics | None = None):
+def ours(name: str) -> bool:
+    """mlx-spec's methods (they share one reading of each prompt); mlx-lm's read their own."""
+    return name == PLAIN or name.startswith(PLAIN + " ")
+
+
+def read_prompt(model, prompt: list[int]) -> tuple[list, float]:
+    """The target's cache after `prompt` but its last token, read once for all of mlx-spec's methods (each goes
+    on from a copy, as a turn goes on from the server's prompt cache: at 8k tokens a 0.2B model's prefill on a
+    CPU takes minutes), and the seconds the reading took."""
+    cache = model.make_cache()
+    tic = time.perf_counter()
+    prefill(model, prompt[:-1], cache)
+    return cache, time.perf_counter() - tic
+
+
+def time_run(events: Generator[StepEvent, None, None], n_prompt: int, max_tokens: int, metrics: Metrics | None = None,
+             read: float = 0.0):
     """(prompt tok/s, decode tok/s, tokens, rounds/s) of one run; its events go into `metrics`. Decoding is
     timed from the first event on, and counts the tokens and rounds that came after it: a speculative first
-    round brings several tokens at once (its drafter reading the prompt too), all at the time to the first."""
-    start = time.perf_counter()
+    round brings several tokens at once (its drafter reading the prompt too), all at the time to the first.
+    `read`: seconds the prompt's shared reading took (`read_prompt`), counted in the time to the first."""
+    start = time.perf_counter() - read
     out: list[int] = []
     first, before, rounds = start, 1, -1
     for event in events:
@@ -177,7 +194,8 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
 
     model = target.model
     # `width` is known once every drafter is (below); the runners read it when they run
-    runners: dict[str, Runner] = {PLAIN: lambda prompt, p, n: plain_steps(model, prompt, p, n, width=width)}
+    runners: dict[str, Runner] = {
+        PLAIN: lambda prompt, p, n, cache=None: plain_steps(model, prompt, p, n, cache=cache, width=width)}
     ref_model = _mlx_lm_plain(args, target, runners)
     drafters, num_draft = {PLAIN: None}, {}
     for entry in args.drafters.split(","):
@@ -189,8 +207,9 @@ def make_runners(args: argparse.Namespace, target) -> tuple[dict[str, Runner], d
         drafter = api.drafter(spec, target, revision=args.drafter_revision, tree_budget=budget, depth=options["depth"],
                               topk=options["topk"], block_size=options["block-size"])
 
-        def spec_run(prompt, p, n, drafter=drafter, k=options["num-draft"]):
-            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k, width=width)
+        def spec_run(prompt, p, n, cache=None, drafter=drafter, k=options["num-draft"]):
+            return speculative_steps(model, prompt, p, n, drafter.new_session(), num_draft=k, cache=cache,
+                                     width=width)
 
         runners[f"mlx-spec {entry}"] = spec_run
         drafters[f"mlx-spec {entry}"], num_draft[f"mlx-spec {entry}"] = drafter, options["num-draft"]
