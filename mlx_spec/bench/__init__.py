@@ -27,8 +27,8 @@ from mlx.utils import tree_flatten
 
 from mlx_spec import distributed, exact
 from mlx_spec.bench.batches import batch_sizes, measure_concurrency, take_turns
-from mlx_spec.bench.machine import (bandwidth_bound, drafter_bytes, read_per_step, rollback_cost, round_overhead,
-                                    verification_curve)
+from mlx_spec.bench.machine import (bandwidth_bound, copy, drafter_bytes, read_per_step, rollback_cost,
+                                    round_overhead, verification_curve)
 from mlx_spec.bench.methods import load_prompts, make_runners, ours, read_prompt, time_run
 from mlx_spec.bench.report import PLAIN, Progress, MethodRow, format_report, median, plot_report, predict
 from mlx_spec.errors import UserError
@@ -99,7 +99,7 @@ def _bytes(*readings: tuple[list, float]) -> int:
 
 def _run(name: str, run, prompt: list[int], params: SamplingParams, n: int, held: tuple[list, float]):
     """A method's run of `prompt`; mlx-spec's go on from a copy of its shared reading `held`."""
-    return run(prompt, params, n, cache=[c.row(0) for c in held[0]]) if ours(name) else run(prompt, params, n)
+    return run(prompt, params, n, cache=copy(held[0])) if ours(name) else run(prompt, params, n)
 
 
 def run_bench(args: argparse.Namespace, template_args: dict | None = None) -> dict:
