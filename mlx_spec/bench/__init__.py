@@ -6,8 +6,9 @@ speculative decoding beside each draft model. Every method decodes the same
 prompts for the same number of tokens from the same checkpoint; for each
 repeat and prompt the methods run one after another, so machine noise hits all
 alike, in a new order each time (a run is slowed or sped by what ran just before
-it). The target reads each prompt once; mlx-spec's methods go on from a copy of
-that reading (their time to the first token counts it), mlx-lm's read their own.
+it). The target reads each prompt once a temperature (the first, once in all);
+mlx-spec's methods go on from a copy of that reading (their time to the first
+token counts it), mlx-lm's read their own.
 Per method and temperature we report the median decode tokens/s (and its
 spread), the median over runs of the ratio to plain decoding on the same prompt
 and repeat, tau (tokens per target forward), acceptance by draft position, the
