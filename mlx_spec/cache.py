@@ -265,6 +265,21 @@ class LayerCaches(_Rows):
         return [a for c in self.caches for a in c.state]
 
 
+def alone(cache: list, b: int) -> list:
+    """Row b of a target's caches, as caches of its own for a forward of that row alone (exact verification
+    runs a batch's rows one forward each): a KV cache's writes into the batch's buffer (`RowOf`), a
+    linear-attention layer's is joined back after the forward (`rejoin`)."""
+    return [RowOf(c, b) if isinstance(c, KVCache) else c.alone(b) if isinstance(c, RecurrentCache) else
+            LayerCaches([RowOf(x, b) for x in c.caches]) for c in cache]
+
+
+def rejoin(cache: list, rows: list[list]) -> None:
+    """After each row's forward alone (`alone`): the linear-attention layers' rows back in `cache`."""
+    for i, c in enumerate(cache):
+        if isinstance(c, RecurrentCache):
+            c.join([r[i] for r in rows])
+
+
 def parts(cache: list) -> list:
     """A target's caches, each layer's several (`LayerCaches`) one by one."""
     return [c for layer in cache for c in (layer.caches if isinstance(layer, LayerCaches) else [layer])]
@@ -332,14 +347,21 @@ class RecurrentCache(_Rows):
 
     def settle(self) -> None:
         """Apply the cuts: each cut row's window and state after its kept tokens, replayed from
-        the taped forward they end in. The tape then starts again."""
+        the taped forward they end in. The tape keeps the forwards before it (and that one, up to
+        the cut, where every row kept as many of its tokens): a later cut may go back into them."""
         cuts, tape = self.cuts, self.tape
         if not cuts:
             return
-        self.cuts, self.tape = {}, []
+        self.cuts = {}
         groups: dict[int, list[int]] = {}
         for b, length in cuts.items():
             groups.setdefault(max(j for j, t in enumerate(tape) if t["starts"][b] <= length), []).append(b)
+        first = min(groups)
+        self.tape = tape[:first]
+        kept = {cuts[b] - tape[first]["starts"][b] for b in cuts}
+        if len(cuts) == self.rows and len(groups) == 1 and len(kept) == 1:
+            t, n = tape[first], kept.pop()
+            self.tape.append({**t, "S": n, "conv": t["conv"][:, : t["conv"].shape[1] - t["S"] + n]})
         for j, rows in groups.items():
             t = tape[j]
             kept = [cuts[b] - t["starts"][b] if b in rows else t["S"] for b in range(self.rows)]
@@ -383,6 +405,31 @@ class RecurrentCache(_Rows):
         mx.eval(one.arrays.cache)
         one.lengths = [self.lengths[b]]
         return one
+
+    def alone(self, b: int) -> RecurrentCache:
+        """Row b as a cache of its own for a forward of that row alone, joined back after it (`join`)."""
+        self.settle()
+        one = RecurrentCache(1)
+        for i in range(2):
+            if self.arrays[i] is not None:
+                one.arrays[i] = self.arrays[i][b : b + 1]
+        one.lengths = [self.lengths[b]]
+        return one
+
+    def join(self, rows: list[RecurrentCache]) -> None:
+        """Each row's window, state and the forward it ran alone (`alone`), as this cache's: a cut replays
+        each row's own tape."""
+        for i in range(2):
+            if rows[0].arrays[i] is not None:
+                self.arrays[i] = mx.concatenate([r.arrays[i] for r in rows])
+        tapes = [r.tape[-1] for r in rows]
+        S = tapes[0]["S"]
+        self.tape.append({"S": S, "starts": list(self.lengths), "conv": mx.concatenate([t["conv"] for t in tapes])})
+        if "replay" in tapes[0]:
+            self.tape[-1]["replay"] = lambda kept: mx.concatenate([t["replay"]([n]) for t, n in zip(tapes, kept)])
+        while self.lengths[0] - self.tape[0]["starts"][0] + S > TAPE_MAX:
+            self.tape.pop(0)
+        self.end(S)
 
     @property
     def nbytes(self) -> int:

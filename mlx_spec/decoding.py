@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from mlx_spec import exact, host, tree
 from mlx_spec.attention import TreeMask
-from mlx_spec.cache import KVCache, RowOf, cut_cache, keep_cache, rewound, trim_cache
+from mlx_spec.cache import KVCache, alone, cut_cache, keep_cache, rejoin, rewound, trim_cache
 from mlx_spec.drafters.base import EMPTY, Draft, Drafter, draw_rows
 from mlx_spec.errors import UserError
 from mlx_spec.logprobs import gather, read as read_logprobs
@@ -123,7 +123,7 @@ class Decoder:
                 if own is not drafter or drafter.rows == users:
                     own.add()
             slot = own.rows - 1
-            own.bind(single)
+            own.bind(single, self.width)
             kept = own.restart(slot, context, cached)
             single = rewound(single, kept, self.model.make_cache)  # anew where a linear-attention layer cannot go back
             if single[0].lengths[0] < kept:
@@ -144,7 +144,7 @@ class Decoder:
                 batch.extend(one)
         self.continues = False
         if drafter is not None:
-            drafter.bind(self.cache)
+            drafter.bind(self.cache, self.width)
         self.rows.append(Row(key, context, params, max_tokens, drafter, drafter.rows - 1 if drafter else 0,
                              logprobs=logprobs, cached=cached))
 
@@ -202,13 +202,7 @@ class Decoder:
         mx.async_eval([a for d in drafts for a in (d.tokens, d.log_probs) if a is not None])
         dispatched = time.perf_counter()  # the drafts compute while the verification and its verdicts are built
         capture = self._capture()
-        one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
-        if self.width and len(rows) > 1:
-            logits, hidden = self._forward([self._inputs([r], [d], [s]) for r, d, s in zip(rows, drafts, starts)], capture)
-        elif one is not None and not self.width and drafts[0].parents is None:  # self-speculation may reuse its own forward
-            logits, hidden = one.verify_forward(self.model, self._inputs(rows, drafts, starts)[0], self.cache, capture)
-        else:
-            logits, hidden = self._forward([self._inputs(rows, drafts, starts)], capture)
+        logits, hidden = self._verification(rows, drafts, starts, capture)
         params = [r.params for r in rows]
         lazy = verdict_arrays(logits, drafts, params, self.acceptance)
         asked = gather(rows, lambda b: logits[b, : len(drafts[b]) + 1])
@@ -234,6 +228,18 @@ class Decoder:
         self._finish()
         return events
 
+    def _verification(self, rows: list[Row], drafts: list[Draft], starts: list[int], capture: tuple[int, ...]
+                      ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The round's target forward: under exact verification a row at a time; a lone row's drafter that
+        ran part of it (self-speculation) reusing that."""
+        one = rows[0].drafter if len(rows) == 1 and rows[0].drafter is not None else None
+        if self.width and len(rows) > 1:
+            return self._forward([self._inputs([r], [d], [s]) for r, d, s in zip(rows, drafts, starts)], capture)
+        if one is not None and drafts[0].parents is None:
+            inputs = self._inputs(rows, drafts, starts)[0]
+            return one.verify_forward(self.model, inputs, self.cache, capture, exact=bool(self.width))
+        return self._forward([self._inputs(rows, drafts, starts)], capture)
+
     def _forward(self, inputs: list[tuple], capture: tuple[int, ...]) -> tuple[mx.array, tuple[mx.array, ...]]:
         """The target over `inputs`: (tokens, positions, mask) for the batch, or under exact verification
         with more rows, one a row, each its own forward (a kernel's rows may depend on how many share it)."""
@@ -241,8 +247,10 @@ class Decoder:
             tokens, positions, mask = inputs[0]
             return self.model(tokens, self.cache, positions=positions, mask=mask, capture=capture,
                               **({"exact": True} if self.width else {}))
-        outs = [self.model(tokens, [RowOf(c, b) for c in self.cache], positions=positions, mask=mask,
-                           capture=capture, exact=True) for b, (tokens, positions, mask) in enumerate(inputs)]
+        rows = [alone(self.cache, b) for b in range(len(inputs))]
+        outs = [self.model(tokens, rows[b], positions=positions, mask=mask, capture=capture, exact=True)
+                for b, (tokens, positions, mask) in enumerate(inputs)]
+        rejoin(self.cache, rows)
         return mx.concatenate([o[0] for o in outs]), tuple(mx.concatenate(h) for h in zip(*(o[1] for o in outs)))
 
     def _inputs(self, rows: list[Row], drafts: list[Draft], starts: list[int]):

@@ -23,6 +23,7 @@ one forward verifying them all, and `width` takes the first width that holds."""
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,29 +58,79 @@ class ExactMask:
         return cls(mx.pad(mask, pad, constant_values=False))
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, mask: ExactMask, scale: float) -> mx.array:
-    """Attention of queries `[B, H, S, D]` over the cache's keys and values `[B, H_kv, >= L, D]`
-    (its buffer: slots past a row's length hold anything finite) as `mask` allows: `[B, H, S, D]`.
-    Each query's result depends on its own row of the mask and the keys it sees, alone."""
+def products(q: mx.array, k: mx.array, L: int) -> mx.array:
+    """Each query of `q` `[B, H, S, D]` dotted with the first L keys of `k` `[B, H_kv, >= L, D]` in a
+    matrix-vector product of its own (one row: no kernel sees how many queries there are, or where each
+    sits) -> `[B, H_kv, H / H_kv * S, L]`, a key-value head's queries together (grouped-query heads)."""
     B, H, S, D = q.shape
+    Hkv = k.shape[1]
+    q = q.reshape(B, Hkv, H // Hkv * S, 1, D)
+    return (q @ k[:, :, None, :L].swapaxes(-1, -2))[..., 0, :]
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, mask: ExactMask, scale: float,
+              sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+    """Attention of queries `[B, H, S, D]` over the cache's keys and values `[B, H_kv, >= L, D]`
+    (its buffer: slots past a row's length hold anything finite) as `mask` allows: `[B, H, S, D]`;
+    `sinks` `[H]`: a logit per head that takes its share of the softmax and adds nothing (gpt-oss);
+    `softcap`: scores capped by tanh (Gemma 2).
+    Each query's result depends on its own row of the mask and the keys it sees, alone."""
+    B, H, S, _ = q.shape
     Hkv, L = k.shape[1], mask.allowed.shape[-1]
     g, n = H // Hkv, L // BLOCK
-    k, v = k[:, :, :L], v[:, :, :L]
-    # Each query its own products (one row: no kernel sees how many queries there are, or where each sits).
-    q = (q * scale).reshape(B, Hkv, g * S, 1, D)  # a key-value head's queries together (grouped-query heads)
-    scores = (q @ k[:, :, None].swapaxes(-1, -2))[..., 0, :]  # [B, Hkv, g S, L]: each a dot product over D
+    v = v[:, :, :L]
+    scores = products(q * scale, k, L)  # [B, Hkv, g S, L]
+    if softcap:
+        scores = mx.tanh(scores / softcap) * softcap
     allowed = mx.broadcast_to(mask.allowed[:, :, None], (B, 1, g, S, L)).reshape(B, 1, g * S, L)
     scores = mx.where(allowed, scores, -mx.inf)
-    e = mx.exp(scores - scores.max(axis=-1, keepdims=True))  # masked: exactly 0
+    top = scores.max(axis=-1, keepdims=True)  # [B, Hkv, g S, 1]
+    if sinks is not None:  # a head's sink, beside each of its queries
+        sink = mx.repeat(sinks.astype(scores.dtype).reshape(1, Hkv, g, 1), S, axis=2).reshape(1, Hkv, g * S, 1)
+        top = mx.maximum(top, sink)
+    e = mx.exp(scores - top)  # masked: exactly 0
     e = e.reshape(B, Hkv, g * S, n, 1, BLOCK).swapaxes(2, 3)  # [B, Hkv, n, g S, 1, BLOCK]
     # The softmax's denominator as a column of the same product: both sum key after key.
-    v1 = mx.concatenate([v, mx.ones((B, Hkv, L, 1), v.dtype)], axis=-1).reshape(B, Hkv, n, 1, BLOCK, D + 1)
-    parts = (e @ v1)[..., 0, :]  # [B, Hkv, n, g S, D + 1]
+    Dv = v.shape[-1]  # (a latent attention's values are narrower than its keys)
+    v1 = mx.concatenate([v, mx.ones((B, Hkv, L, 1), v.dtype)], axis=-1).reshape(B, Hkv, n, 1, BLOCK, Dv + 1)
+    parts = (e @ v1)[..., 0, :]  # [B, Hkv, n, g S, Dv + 1]
     total = parts[:, :, 0]
     for i in range(1, n):  # block after block, in order: a block of zeros adds nothing
         total = total + parts[:, :, i]
-    out = total[..., :D] / total[..., D:]
-    return out.reshape(B, H, S, D)
+    denominator = total[..., Dv:] if sinks is None else total[..., Dv:] + mx.exp(sink - top)
+    out = total[..., :Dv] / denominator
+    return out.reshape(B, H, S, Dv)
+
+
+# Whether the forward being run verifies exactly (set around a forward of a target on mlx-lm's modules).
+EXACTLY: contextvars.ContextVar[bool] = contextvars.ContextVar("exactly", default=False)
+
+
+def over_keys(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, sinks: mx.array | None = None,
+              softcap: float | None = None) -> mx.array:
+    """`attention` over the keys and values a cache fetched `[B, H_kv, n, D]` (padded to whole blocks), as
+    mlx-lm's masks say: "causal", none (every key) or boolean `[..., S, n]`."""
+    S, n = queries.shape[2], keys.shape[2]
+    if isinstance(mask, str) or mask is None:
+        mask = mx.arange(n)[None] <= mx.arange(n - S, n)[:, None] if mask else mx.ones((S, n), mx.bool_)
+    if mask.dtype != mx.bool_:
+        raise UserError("--exact: this target's attention adds a mask of scores; exact verification needs a "
+                        "boolean one")
+    mask = ExactMask.of(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    pad = [(0, 0), (0, 0), (0, mask.allowed.shape[-1] - n), (0, 0)]
+    return attention(queries, mx.pad(keys, pad), mx.pad(values, pad), mask, scale, sinks, softcap)
+
+
+def sdpa(original):
+    """mlx-lm's `scaled_dot_product_attention`, as its attention modules call it: `over_keys` while a
+    forward verifies exactly, else `original`."""
+
+    def attend(queries, keys, values, cache, scale: float, mask, sinks=None):
+        if not EXACTLY.get():
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return over_keys(queries, keys, values, scale, mask, sinks)
+
+    return attend
 
 
 def most(k_max: int | None, num_draft: int | None, width: int | None) -> int | None:
@@ -143,11 +194,6 @@ def parted(model, prompt: list[int], plain: list[int], other: list[int]) -> tupl
 def need(drafter, num_draft: int | None = None) -> int:
     """Tokens a row a round of `drafter` verifies at most: its tree's nodes, else `num_draft` or its own
     most (at most DRAFTED), and the pending token; plain decoding (None) as the drafters' default."""
-    from mlx_spec.drafters.base import Drafter
-
-    if drafter is not None and type(drafter).verify_forward is not Drafter.verify_forward:
-        raise UserError(f"--exact: the {drafter.kind} drafter verifies with its own partial forwards; "
-                        "exact verification needs every forward whole")
     if num_draft is not None:
         return num_draft + 1
     nodes = getattr(drafter, "budget", None) or len(getattr(drafter, "paths", None) or ())  # a tree's (Medusa: static)

@@ -1,16 +1,20 @@
 """Greedy output under OpenBLAS, default and exact verification, for every drafter kind: run by
 tests/test_exact.py in a process of its own (OpenBLAS loads before MLX or not at all).
 
-    python tests/exactness.py WORK
+    python tests/exactness.py WORK [FAMILY ...]
 
 Targets: one untrained checkpoint per architecture whose LM head holds its rows in pairs a few
 parts in 10^7 apart, so that nearly every step is a near-tie the last bits of a logit decide.
 Prints one JSON object: for each architecture and drafter (every kind on Qwen3; a draft model,
 lookup and three trees on Llama and Qwen2), the prompts on which speculative greedy output parted
 from `--exact` plain decoding with `--exact`, and the same for the rows of a batch; on Qwen3, the
-prompts on which it parted from plain decoding in the default mode."""
+prompts on which it parted from plain decoding in the default mode. With FAMILY names (folders of
+tests/fixtures/mlxlm_reference: targets run on mlx-lm's modules), each fixture with its LM head made
+near-tie: a draft model, LayerSkip (where the family's layers run apart) and a scripted tree (where it
+verifies trees), alone, and a draft model as rows of a batch."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.drafters.dflash import DFlash
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.eagle import Eagle
+from mlx_spec.drafters.layerskip import LayerSkip
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.drafters.medusa import Medusa
 from mlx_spec.drafters.mtp_heads import MTPHeadsDrafter, MTPHeads, mtp_heads_config
@@ -38,11 +43,20 @@ GREEDY = SamplingParams()
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
+FIXTURES = Path(__file__).parent / "fixtures" / "mlxlm_reference"
+
+
 def near_ties(out: Path, arch: str, seed: int) -> Path:
     """An untrained checkpoint whose LM head (or tied embedding) has rows 2j and 2j + 1 nearly equal."""
     make_checkpoint(out, arch, seed=seed, hidden_size=128, intermediate_size=256, head_dim=32)
+    return tie_head(out, seed)
+
+
+def tie_head(out: Path, seed: int) -> Path:
+    """The checkpoint in `out` with rows 2j and 2j + 1 of its LM head (or tied embedding) nearly equal."""
     weights = dict(mx.load(str(out / "model.safetensors")))
-    name = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    name = "lm_head.weight" if "lm_head.weight" in weights else \
+        next(k for k in weights if k.endswith("embed_tokens.weight") and "layers." not in k)
     head = np.array(weights[name])
     rng = np.random.default_rng(seed)
     odd = head[1::2].shape[0]
@@ -73,6 +87,7 @@ def drafters(target, other, truth_of):
         "dflash": lambda p: DFlash(dflash, target),
         "dflash-tree": lambda p: DFlash(dflash, target, budget=7),
         "mtp-heads": lambda p: MTPHeadsDrafter(heads, target),
+        "layerskip": lambda p: LayerSkip(target, 1),
         "scripted-tree": lambda p: ScriptedTree(truth_of(p), SHAPES["deep"], V, seed=len(p)),
     }
 
@@ -95,8 +110,45 @@ def batch_differing(target, prompts, n, make, width, refs) -> int:
     return sum(out[i] != r for i, r in enumerate(refs))
 
 
+def family_drafters(target, truth: dict) -> dict:
+    """The drafter kinds a family runs, built fresh for a prompt: a draft model (the target itself: it drafts
+    what the target decodes but at near-ties), LayerSkip where its layers run apart, a scripted tree
+    following `truth[prompt]` where it verifies trees."""
+    V = target.args.vocab_size
+    kinds = {"draft-same": lambda p: DraftModel(target, V)}
+    if target.runs_apart:
+        kinds["layerskip"] = lambda p: LayerSkip(target, 1)
+    if target.verifies_trees:
+        kinds["scripted-tree"] = lambda p: ScriptedTree(truth[tuple(p)], SHAPES["deep"], V, seed=len(p))
+    return kinds
+
+
+def families(work: Path, names: list[str]) -> dict:
+    """Each family's fixture, near-tie: the prompts on which a drafter's `--exact` greedy output parted from
+    `--exact` plain decoding's, alone and as rows of a batch (prompts decoded into a second block of keys)."""
+    result = {}
+    rng = np.random.default_rng(1)
+    for i, name in enumerate(names):
+        shutil.copytree(FIXTURES / name, work / name)
+        target = load_model(str(tie_head(work / name, i)))[0]
+        V = target.args.vocab_size
+        width = exact.width(target, 8)
+        prompts = [rng.integers(3, V, n).tolist() for n in (240, 244)]
+        refs = [tokens(plain_steps(target, p, GREEDY, 20, width=width)) for p in prompts]
+        kinds = family_drafters(target, {tuple(p): r for p, r in zip(prompts, refs)})
+        alone = {k: differing(target, prompts[:1], 20, make, width, refs[:1]) for k, make in kinds.items()}
+        row = {"width": width, **alone, "batch, draft-same": batch_differing(target, prompts, 20, kinds["draft-same"],
+                                                                             width, refs)}
+        result[name] = row
+        print(json.dumps({name: row}), file=sys.stderr, flush=True)
+    return result
+
+
 def main() -> None:
     work = Path(sys.argv[1])
+    if sys.argv[2:]:
+        print(json.dumps({"blas": _blas.loaded, **families(work, sys.argv[2:])}))
+        return
     result = {"blas": _blas.loaded}
     rng = np.random.default_rng(0)
     for i, arch in enumerate(ARCHS):
@@ -106,19 +158,19 @@ def main() -> None:
         width = exact.width(target, 8)
         row = {"width": width}
         if arch == "qwen3":  # the problem, shown once: default verification parts from plain decoding
-            prompts = [rng.integers(3, V, int(rng.integers(4, 40))).tolist() for _ in range(12)]
-            plain = [tokens(plain_steps(target, p, GREEDY, 128)) for p in prompts]
-            row["default, 12 x 128"] = differing(target, prompts, 128, lambda p: DraftModel(target, V), None, plain)
+            prompts = [rng.integers(3, V, int(rng.integers(4, 40))).tolist() for _ in range(4)]
+            plain = [tokens(plain_steps(target, p, GREEDY, 32)) for p in prompts]
+            row["default, 4 x 32"] = differing(target, prompts, 32, lambda p: DraftModel(target, V), None, plain)
         # Short prompts, and one whose decoding crosses into a second block of keys (trees pruned there).
-        prompts = [rng.integers(3, V, n).tolist() for n in (7, 236, 247)]
-        refs = [tokens(plain_steps(target, p, GREEDY, 40, width=width)) for p in prompts]
+        prompts = [rng.integers(3, V, n).tolist() for n in (7, 247)]
+        refs = [tokens(plain_steps(target, p, GREEDY, 32, width=width)) for p in prompts]
         truth = {tuple(p): r for p, r in zip(prompts, refs)}
         kinds = drafters(target, other, lambda p: truth[tuple(p)])
         for name, make in kinds.items():
             if arch == "qwen3" or name in ("draft-other", "lookup", "eagle3-tree", "medusa-tree", "scripted-tree"):
-                row[name] = differing(target, prompts, 40, make, width, refs)
+                row[name] = differing(target, prompts, 32, make, width, refs)
         for name in ("draft-same", "lookup", "eagle3-tree", "scripted-tree"):
-            row[f"batch of {len(prompts)}, {name}"] = batch_differing(target, prompts, 40, kinds[name], width, refs)
+            row[f"batch of {len(prompts)}, {name}"] = batch_differing(target, prompts, 32, kinds[name], width, refs)
         result[arch] = row
         print(json.dumps({arch: row}), file=sys.stderr, flush=True)
     print(json.dumps(result))

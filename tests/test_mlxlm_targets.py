@@ -144,6 +144,7 @@ def chain_drafter(kind: str, model):
             "eagle3": lambda: Eagle(EagleNet(eagle_config(model, 3, layers=[0, 1, 2])), model, None, 4, 3),
             "dflash": lambda: DFlash(DFlashNet(dflash_config(model, 1, 4, V - 1, list(range(L)))), model, None, None),
             "draft": lambda: draft_model_for(model.args.vocab_size),
+            "self": lambda: DraftModel(model, V),  # the family's model as a draft model (its caches, its state)
             "layerskip": lambda: make_drafter("layerskip=1", model),  # the first layer, then the head
             "skip": lambda: make_drafter("skip=1", model),  # the target without its second layer
             "eagle": lambda: Eagle(EagleNet(eagle_config(model, 1)), model, None, 4, 3),
@@ -321,6 +322,16 @@ def test_hybrid_rollback_is_exact_at_every_acceptance_length(name):
     events = list(speculative_steps(model, prompt, GREEDY, 40, EveryLength(plain, K), num_draft=K))
     assert [t for e in events for t in e.tokens] == plain
     assert {e.accepted for e in events[:-1]} == set(range(K + 1))
+
+
+def test_a_hybrid_draft_model_reads_a_long_prompt():
+    """A model with linear-attention layers as the draft model (Qwen3.5-0.8B for Qwen3.5-9B): its prompt is
+    read in forwards whose padding those layers can cut back (a forward past the tape's reach cannot be)."""
+    model, _ = load_model(str(FIXTURES / "qwen3_5"))
+    prompt = [3 + i % 200 for i in range(100)]
+    plain = [t for e in plain_steps(model, prompt, GREEDY, 8) for t in e.tokens]
+    assert [t for e in speculative_steps(model, prompt, GREEDY, 8, DraftModel(model, model.args.vocab_size))
+            for t in e.tokens] == plain
 
 
 @pytest.mark.parametrize("name", ROLLED_BACK)

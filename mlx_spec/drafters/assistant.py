@@ -188,7 +188,7 @@ class Assistant(RowStates):
     def _session(self) -> Assistant:
         return Assistant(self.net, self.target, self.sources)
 
-    def bind(self, cache: list) -> None:
+    def bind(self, cache: list, width: int | None = None) -> None:
         self.cache = cache
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:

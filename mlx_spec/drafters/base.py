@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import tree
-from mlx_spec.cache import KVCache
+from mlx_spec.cache import KVCache, LayerCaches
 from mlx_spec.sampling import SamplingParams, draw
 
 
@@ -197,8 +197,9 @@ class Drafter(ABC):
         keeps only what still matches, and the target reads the rest again."""
         return cached
 
-    def bind(self, cache: list) -> None:
-        """The target's KV cache (self-speculation drafts into it)."""
+    def bind(self, cache: list, width: int | None = None) -> None:
+        """The target's KV cache (self-speculation drafts into it), and the width of its forwards under
+        exact verification (`mlx_spec.exact`)."""
 
     def split(self, b: int) -> "Drafter | None":
         """Row b's state, copied into a one-row session of this drafter's (this one unchanged), for a
@@ -206,11 +207,11 @@ class Drafter(ABC):
         through `Decoder.add`. None where the drafter cannot (a new session then reads the tokens anew)."""
         return None
 
-    def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...]
-                       ) -> tuple[mx.array, tuple[mx.array, ...]]:
-        """The target's verification forward over a chain -> (logits, the hidden
-        states of `capture`); a drafter that already ran part of it (LayerSkip) reuses that."""
-        return target(inputs, cache, capture=capture)
+    def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...],
+                       exact: bool = False) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """The target's verification forward over a chain (`exact`: verifying exactly) -> (logits, the
+        hidden states of `capture`); a drafter that already ran part of it (LayerSkip) reuses that."""
+        return target(inputs, cache, capture=capture, **({"exact": True} if exact else {}))
 
     def new_session(self) -> "Drafter":
         """A drafter like this one (same weights, same settings) with no rows. What the decoding
@@ -278,7 +279,8 @@ class RowStates(Drafter):
 
     def add(self) -> None:
         for c in self.caches:
-            c.extend(type(c)())  # a row holding nothing yet (a draft model's linear-attention layers too)
+            # a row holding nothing yet (a draft model's linear-attention layers too, and a layer's several caches)
+            c.extend(LayerCaches([type(x)() for x in c.caches]) if isinstance(c, LayerCaches) else type(c)())
         for name, value in self.new_row().items():
             getattr(self, name).append(value)
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_spec.cache import cut_cache
+from mlx_spec.cache import TAPE_MAX, RecurrentCache, cut_cache
 from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates,
                                     common_prefix, draw_rows, padded_length)
 from mlx_spec.errors import UserError
@@ -90,10 +90,12 @@ class DraftModel(RowStates):
     def _read(self, new: list[list[int]]) -> tuple[mx.array, list[int]]:
         """Each row's `new` tokens into the cache, padded to one forward -> logits `[B, S, V]`, each row's n.
         A long span (a prompt) is read READ_MAX tokens a forward first, but for each row's last READ_MAX: one
-        forward over all of it would hold attention scores quadratic in its length."""
-        while max(len(t) for t in new) > READ_MAX:
-            self._read_once([t[: max(len(t) - READ_MAX, 0)][:READ_MAX] for t in new])
-            new = [t[min(max(len(t) - READ_MAX, 0), READ_MAX):] for t in new]
+        forward over all of it would hold attention scores quadratic in its length. A hybrid model's
+        linear-attention layers cut padding back only within a taped forward: it reads TAPE_MAX at most."""
+        most = TAPE_MAX if any(isinstance(c, RecurrentCache) for c in self.cache) else READ_MAX
+        while max(len(t) for t in new) > most:
+            self._read_once([t[: max(len(t) - most, 0)][:most] for t in new])
+            new = [t[min(max(len(t) - most, 0), most):] for t in new]
         return self._read_once(new)
 
     def _read_once(self, new: list[list[int]]) -> tuple[mx.array, list[int]]:

@@ -7,6 +7,9 @@ draft already ran need only layers E..L-1, and only the last drafted token
 (which drafting never fed back) runs the first E layers. A round of K drafts
 costs K early-exit steps plus one pass of the remaining layers, against
 K early-exit steps and a full pass if verification started from scratch.
+Under exact verification every one of these forwards is as wide as the
+target's (`mlx_spec.exact`): a drafting step's padding is cut from the first
+layers at once, and a verification's from the first layers' last forward.
 
 Without a given E, `choose_exit` picks the layer whose early-exit predictions
 on the prompt promise the best speedup.
@@ -18,7 +21,7 @@ import argparse
 
 import mlx.core as mx
 
-from mlx_spec.cache import KVCache
+from mlx_spec.cache import KVCache, trim_cache
 from mlx_spec.drafters.base import Draft, HostDrafter, Kind, Options, Recipe
 from mlx_spec.errors import UserError
 from mlx_spec.metrics import expected_tokens
@@ -56,13 +59,14 @@ class LayerSkip(HostDrafter):
         self.target, self.fixed = target, exit_layer
         self.exit = exit_layer or max(target.args.num_hidden_layers // 2, 1)
         self.cache: list[KVCache] = []
+        self.width: int | None = None  # every forward this wide (exact verification)
         self.saved: mx.array | None = None  # layer-E inputs of the drafted-over tokens [1, k, H]
 
     def _session(self) -> LayerSkip:
         return LayerSkip(self.target, self.fixed)
 
-    def bind(self, cache: list[KVCache]) -> None:
-        self.cache = cache
+    def bind(self, cache: list[KVCache], width: int | None = None) -> None:
+        self.cache, self.width = cache, width
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         self.saved = None
@@ -75,8 +79,12 @@ class LayerSkip(HostDrafter):
         feed = mx.array(context[-1:])[None]  # the pending token first
         states, tokens, dists = [], [], []
         for i in range(k):
-            h = self.target.run_layers(self.target.embed(feed), self.cache, early)  # [1, 1, H]
-            states.append(h)
+            if self.width:  # throwaway tokens to the width, their keys cut at once
+                feed = mx.concatenate([feed, mx.zeros((1, self.width - 1), feed.dtype)], axis=1)
+            h = self.target.run_layers(self.target.embed(feed), self.cache, early, exact=bool(self.width))[:, :1]
+            if self.width:
+                trim_cache(self.cache[: self.exit], self.width - 1)
+            states.append(h)  # [1, 1, H]
             logits = self.target.head(h)[:, -1]  # [1, V]
             token, lp = draw(logits, params)
             tokens.append(token)
@@ -85,15 +93,20 @@ class LayerSkip(HostDrafter):
         self.saved = mx.concatenate(states, axis=1)  # [1, k, H]: the pending token and all drafts but the last
         return Draft.steps(tokens, dists, [k])[0]
 
-    def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...]
-                       ) -> tuple[mx.array, tuple[mx.array, ...]]:
+    def verify_forward(self, target, inputs: mx.array, cache: list, capture: tuple[int, ...],
+                       exact: bool = False) -> tuple[mx.array, tuple[mx.array, ...]]:
         saved, self.saved = self.saved, None
-        if saved is None or saved.shape[1] != inputs.shape[1] - 1:
-            return target(inputs, cache, capture=capture)  # a plain round
-        L = target.args.num_hidden_layers
-        # Only the last draft has not been through the first E layers.
-        last = target.run_layers(target.embed(inputs[:, -1:]), cache, range(self.exit))
-        h = target.run_layers(mx.concatenate([saved, last], axis=1), cache, range(self.exit, L))
+        k = saved.shape[1] if saved is not None else 0  # inputs: the pending token, k drafts (then padding, exact)
+        if not k or (not exact and k != inputs.shape[1] - 1):
+            return super().verify_forward(target, inputs, cache, capture, exact)  # a plain round
+        L, S = target.args.num_hidden_layers, inputs.shape[1]
+        # Only the last draft has not been through the first E layers (exact: k more throwaway tokens after
+        # the width's, cut at once, so the first layers hold as many tokens as the others).
+        tail = mx.pad(inputs[:, k:], [(0, 0), (0, k)]) if exact else inputs[:, k:]
+        last = target.run_layers(target.embed(tail), cache, range(self.exit), exact=exact)[:, : S - k]
+        if exact:
+            trim_cache(cache[: self.exit], k)
+        h = target.run_layers(mx.concatenate([saved, last], axis=1), cache, range(self.exit, L), exact=exact)
         return target.head(h), ()
 
 

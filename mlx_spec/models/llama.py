@@ -36,7 +36,7 @@ from mlx_spec import exact
 from mlx_spec.attention import TreeMask, tree_attention
 from mlx_spec.cache import KVCache, make_cache
 from mlx_spec.errors import UserError
-from mlx_spec.exact import ExactMask
+from mlx_spec.exact import EXACTLY, ExactMask
 from mlx_spec.models.config import ModelArgs
 from mlx_spec.models.rope import RoPE
 
@@ -206,12 +206,16 @@ class Model(nn.Module):
     def make_cache(self, rows: int = 1) -> list[KVCache]:
         return make_cache(len(self.layers), rows)
 
-    def run_layers(self, h: mx.array, cache: Sequence[KVCache], layers: range) -> mx.array:
+    def run_layers(self, h: mx.array, cache: Sequence[KVCache], layers: range, exact: bool = False) -> mx.array:
         """Layers `layers` only, over `h` `[B, S, H]` (causal), each with its cache
         (LayerSkip drafts with the first ones and verifies with the rest)."""
-        masks = self.masks(h.shape[1], cache[layers[0]], layers)
-        for i, mask in zip(layers, masks):
-            h = self.layer(i, h, mask, cache[i], None)
+        masks = self.masks(h.shape[1], cache[layers[0]], layers, exact=exact)
+        token = EXACTLY.set(exact)  # (read by the attention of a target on mlx-lm's modules)
+        try:
+            for i, mask in zip(layers, masks):
+                h = self.layer(i, h, mask, cache[i], None)
+        finally:
+            EXACTLY.reset(token)
         return h
 
     def masks(self, S: int, first: KVCache | None, layers: range, tree=None,
@@ -283,12 +287,16 @@ class Model(nn.Module):
         masks = self.masks(tokens.shape[1], cache[0] if cache else None, range(n_layers), mask, positions, exact)
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
-        for i in range(n_layers):
-            if checkpoint:
-                h = _checkpointed(self, i, h, masks[i], positions)
-            else:
-                h = self.layer(i, h, masks[i], cache[i] if cache is not None else None, positions)
-            states[i + 1] = h
+        token = EXACTLY.set(exact)  # (read by the attention of a target on mlx-lm's modules)
+        try:
+            for i in range(n_layers):
+                if checkpoint:
+                    h = _checkpointed(self, i, h, masks[i], positions)
+                else:
+                    h = self.layer(i, h, masks[i], cache[i] if cache is not None else None, positions)
+                states[i + 1] = h
+        finally:
+            EXACTLY.reset(token)
         return self.head(h), tuple(states[i] for i in capture)
 
 

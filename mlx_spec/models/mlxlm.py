@@ -34,8 +34,10 @@ from mlx.utils import tree_flatten
 from mlx_spec.attention import TreeMask, causal_array
 from mlx_spec.cache import KVCache, RecurrentCache
 from mlx_spec.errors import UserError
+from mlx_spec.exact import EXACTLY, sdpa
 from mlx_spec.models.config import check_fields, mlx_lm_config
 from mlx_spec.models.dtypes import cast_floating
+from mlx_spec.models.exact_attention import own
 from mlx_spec.models.llama import Model as LlamaModel, default_mask
 from mlx_spec.models.rope import SUPPORTED, RoPE, at_positions
 
@@ -222,15 +224,31 @@ class _TapedConv(nn.Conv1d):
         return super().__call__(x)
 
 
+def rebind(module: nn.Module, name: str, wrap) -> None:
+    """`module`'s methods that call the module-level function `name`, run with it bound to
+    `wrap(function)` (mlx-lm's class untouched: `module` gets a subclass of it)."""
+    cls, methods = type(module), {}
+    for klass in reversed(cls.__mro__):
+        for attr, f in vars(klass).items():
+            if isinstance(f, types.FunctionType) and name in f.__code__.co_names and name in f.__globals__:
+                scope = dict(f.__globals__, **{name: wrap(f.__globals__[name])})
+                methods[attr] = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
+    if methods:
+        module.__class__ = type(cls.__name__, (cls,), methods)
+
+
+def attends_exactly(model: nn.Module, model_type: str) -> None:
+    """Every attention module of `model` attending exactly (`exact.sdpa`) while a forward verifies exactly;
+    those that compute attention themselves, as `models.exact_attention` says for `model_type`."""
+    for module in model.modules():
+        rebind(module, "scaled_dot_product_attention", sdpa)
+        own(module, model_type)
+
+
 def _tape(layer: nn.Module) -> None:
     """Give a linear-attention module (mlx-lm's `GatedDeltaNet`) its tape: the same forward, as
-    mlx-lm writes it, with its recurrence call taped (its own function, with `gated_delta_update`
-    bound to the taped one; mlx-lm's module is untouched) and its convolution's input recorded."""
-    cls = type(layer)
-    call = cls.__call__
-    scope = dict(call.__globals__, gated_delta_update=_taped(call.__globals__["gated_delta_update"]))
-    taped = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
-    layer.__class__ = type(cls.__name__, (cls,), {"__call__": taped})
+    mlx-lm writes it, with its recurrence call taped and its convolution's input recorded."""
+    rebind(layer, "gated_delta_update", _taped)
     layer.conv1d.__class__ = _TapedConv
 
 
@@ -324,9 +342,11 @@ class MLXLMTarget(LlamaModel):
 
     def _prepare(self, text: nn.Module, shape: dict) -> None:
         """What mlx-spec's layer loop needs of mlx-lm's layers: each layer's kind, transformers'
-        YaRN, a tape on linear attention, RoPE that rotates tree tokens to their own positions."""
+        YaRN, a tape on linear attention, RoPE that rotates tree tokens to their own positions,
+        attention that verifies exactly when asked."""
         self.kinds = _layer_kinds(text, shape)
         _yarn_untruncated(text, shape)
+        attends_exactly(text, self.model_type)
         for layer, kind in zip(text.model.layers, self.kinds):
             if kind == RECURRENT:
                 _tape(layer.linear_attn)
@@ -377,11 +397,8 @@ class MLXLMTarget(LlamaModel):
     def masks(self, S: int, first, layers: range, tree=None, positions: mx.array | None = None,
               exact: bool = False) -> list:
         """Per layer of `layers`: its causal or sliding-window mask, none for a linear-attention
-        layer; with a `tree`, the tree's mask (within each sliding layer's window). Exact
-        verification (`exact`) needs mlx-spec's own attention: refused."""
-        if exact:
-            raise UserError(f"--exact: a {self.model_type} target runs on mlx-lm's attention; exact verification "
-                            "needs mlx-spec's own (the Llama, Mistral, Qwen2 and Qwen3 families)")
+        layer; with a `tree`, the tree's mask (within each sliding layer's window); `exact`: over all
+        the keys (exact attention reads whole blocks of them, `exact.sdpa`)."""
         if tree is not None and not self.verifies_trees:
             raise UserError(f"a {self.model_type} target verifies chains only (its linear-attention layers "
                             "roll back a chain): give no --tree or --tree-budget")
@@ -390,13 +407,15 @@ class MLXLMTarget(LlamaModel):
         for i in layers:
             kind = self.kinds[i]
             if kind != RECURRENT and kind not in made:
-                made[kind] = self._mask(S, first, kind, tree, positions)
+                made[kind] = self._mask(S, first, kind, tree, positions, exact)
             out.append(None if kind == RECURRENT else made[kind])
         return out
 
-    def _mask(self, S: int, first: KVCache | None, window: int | None, tree, positions: mx.array | None):
-        """One attention kind's mask: over the keys from the window's first slot on, where it slides."""
-        lo = _window_start(first, window)
+    def _mask(self, S: int, first: KVCache | None, window: int | None, tree, positions: mx.array | None,
+              exact: bool = False):
+        """One attention kind's mask: over the keys from the window's first slot on, where it slides
+        (all of them, `exact`)."""
+        lo = 0 if exact else _window_start(first, window)
         if lo and tree is None and S == 1 and first.aligned:
             return None  # one query, the window's keys alone: all of them
         mask = default_mask(S, [first] if first is not None else None, window) if tree is None else \
@@ -407,7 +426,7 @@ class MLXLMTarget(LlamaModel):
 
     def layer(self, i: int, h: mx.array, mask, cache: KVCache | None, positions: mx.array | None) -> mx.array:
         if not isinstance(cache, RecurrentCache):
-            lo = _window_start(cache, self.kinds[i])
+            lo = 0 if EXACTLY.get() else _window_start(cache, self.kinds[i])
             view = _Window(cache, lo) if lo else cache
             if positions is None:
                 return self.layers[i](h, mask, view)

@@ -1,7 +1,7 @@
 """Targets of every other family mlx-lm implements: mlx-lm's own forward, whole.
 
 The targets in `llama.py` and `mlxlm.py` run the layers one by one themselves,
-which lets them verify trees, exit early (LayerSkip) and verify exactly. A
+which lets them verify trees and exit early (LayerSkip). A
 family they do not know (Gemma 4's per-layer inputs and shared keys and
 values, Gemma 2's soft-capped logits, GLM-4-MoE, ...) runs here through
 mlx-lm's own model `__call__`, untouched: it is handed mlx-spec's KV cache
@@ -10,7 +10,7 @@ mlx-lm's `make_cache` would make, and each of its layers is wrapped so that
 the hidden state entering it is captured for the drafters that read the
 target's features. What mlx-lm does between the layers is then whatever the
 family does. A target verifies chains (the family's attention takes no
-per-token positions), with no early exit and no exact verification. A family
+per-token positions), with no early exit. A family
 whose layers keep a short convolution's last inputs beside keys and values
 (LFM2), and a state space model's state (Granite 4.0-H's and Nemotron-H's
 Mamba-2 layers), has both taped as a Gated DeltaNet's are
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextvars
 import importlib.util
-import types
 from pathlib import Path
 from typing import NoReturn, Sequence
 
@@ -33,9 +32,10 @@ import mlx.nn as nn
 
 from mlx_spec.cache import KVCache, LayerCaches, RecurrentCache, RowOf
 from mlx_spec.errors import UserError
+from mlx_spec.exact import EXACTLY
 from mlx_spec.models.config import check_fields, mlx_lm_config
 from mlx_spec.models.dtypes import cast_floating
-from mlx_spec.models.mlxlm import MLXLMTarget, classes
+from mlx_spec.models.mlxlm import MLXLMTarget, attends_exactly, classes, rebind
 
 # model_type -> what it is; each checked against transformers' logits and greedy tokens (tests/test_whole_targets.py)
 CHECKED = {
@@ -99,21 +99,32 @@ def _tape_state(module: nn.Module, conv: str, i: int) -> None:
         return cls.__call__(self, x)
 
     module[conv].__class__ = type(cls.__name__, (cls,), {"__call__": call})
-    methods = {}
-    for name, f in vars(type(module)).items():
-        if isinstance(f, types.FunctionType) and "ssm_update" in f.__code__.co_names:
-            scope = dict(f.__globals__, ssm_update=_taped_ssm(f.__globals__["ssm_update"], i))
-            methods[name] = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
-    if methods:
-        module.__class__ = type(type(module).__name__, (type(module),), methods)
+    rebind(module, "ssm_update", lambda update: _taped_ssm(update, i))
+
+
+def _stepwise(update):
+    """mlx-lm's `ssm_update`, a token at a time (exact verification): a chunk's scan sums each token's
+    terms in an order that depends on where the token sits in the forward."""
+
+    def step(x, A_log, B, C, D, dt, dt_bias, state=None, limit=(0.001, 100.0), mask=None, lengths=None):
+        ys = []
+        for t in range(x.shape[1]):  # (a row's token past its length: -1, its state kept)
+            y, state = update(x[:, t : t + 1], A_log, B[:, t : t + 1], C[:, t : t + 1], D, dt[:, t : t + 1], dt_bias,
+                              state, limit, None if mask is None else mask[..., t : t + 1],
+                              None if lengths is None else mx.where(lengths > t, 1, -1))
+            ys.append(y)
+        return mx.concatenate(ys, axis=1), state
+
+    return step
 
 
 def _taped_ssm(update, i: int):
     """mlx-lm's `ssm_update` for the module of the i-th cache, handing that cache a replay: the state after
     each row's first kept[b] of the forward's tokens, from the state before it (rows that keep as many run
-    together)."""
+    together); a token at a time in a forward that verifies exactly, and so its replay."""
 
     def taped(x, A_log, B, C, D, dt, dt_bias, state=None, limit=(0.001, 100.0), *args, **kwargs):
+        run = _stepwise(update) if EXACTLY.get() else update
         cache = _TAPES.get().get(i)
         if cache is not None:
             def replay(kept: list[int]) -> mx.array:
@@ -124,12 +135,12 @@ def _taped_ssm(update, i: int):
                     idx = mx.array(at)
                     s = before[idx]
                     if n:  # [R, H, Dh, Ds]
-                        s = update(x[idx, :n], A_log, B[idx, :n], C[idx, :n], D, dt[idx, :n], dt_bias, s, limit)[1]
+                        s = run(x[idx, :n], A_log, B[idx, :n], C[idx, :n], D, dt[idx, :n], dt_bias, s, limit)[1]
                     for j, b in enumerate(at):
                         rows[b] = s[j : j + 1]
                 return mx.concatenate(rows)
             cache.record_recurrence(replay)
-        return update(x, A_log, B, C, D, dt, dt_bias, state, limit, *args, **kwargs)
+        return run(x, A_log, B, C, D, dt, dt_bias, state, limit, *args, **kwargs)
 
     return taped
 
@@ -144,6 +155,7 @@ class WholeTarget(MLXLMTarget):
         from mlx_lm.models.cache import make_prompt_cache
 
         layers = self.model.layers
+        attends_exactly(text, self.model_type)
         for i, layer in enumerate(layers):
             _capture(layer, i, i == len(layers) - 1)
         kept = make_prompt_cache(self.inner)
@@ -191,21 +203,19 @@ class WholeTarget(MLXLMTarget):
                             "give no --tree or --tree-budget")
         if exit_layer is not None:
             self._whole()
-        if exact:
-            raise UserError(f"--exact: a {self.model_type} target runs on mlx-lm's attention; exact verification "
-                            "needs mlx-spec's own (the Llama, Mistral, Qwen2 and Qwen3 families)")
         if tokens.shape[0] > 1 and cache is not None and self.model_type not in BATCHED:
-            rows = [self._forward(tokens[b : b + 1], [RowOf(c, b) for c in cache], capture)
+            rows = [self._forward(tokens[b : b + 1], [RowOf(c, b) for c in cache], capture, exact)
                     for b in range(tokens.shape[0])]
             return (mx.concatenate([logits for logits, _ in rows]),
                     tuple(mx.concatenate([states[i] for _, states in rows]) for i in range(len(capture))))
-        return self._forward(tokens, cache, capture)
+        return self._forward(tokens, cache, capture, exact)
 
-    def _forward(self, tokens: mx.array, cache, capture: Sequence[int]) -> tuple[mx.array, tuple[mx.array, ...]]:
+    def _forward(self, tokens: mx.array, cache, capture: Sequence[int], exact: bool) -> tuple[mx.array, tuple]:
         S = tokens.shape[1]
         stateful = {i: c for i, c in enumerate(cache or ()) if isinstance(c, RecurrentCache)}
         states: dict[int, mx.array] = {}
         token = _STATES.set(states if capture else None)
+        exactly = EXACTLY.set(exact)  # the attention modules read it (`exact.sdpa`), and Mamba-2's `ssm_update`
         taping = _TAPES.set({i: c for i, c in stateful.items() if c.begin(S)})  # (begin applies pending cuts)
         try:
             inner = [c.arrays if i in stateful else c for i, c in enumerate(cache)] if cache is not None else None
@@ -213,6 +223,7 @@ class WholeTarget(MLXLMTarget):
         finally:
             _STATES.reset(token)
             _TAPES.reset(taping)
+            EXACTLY.reset(exactly)
         for c in stateful.values():
             c.end(S)
         return logits, tuple(states[i] for i in capture)
