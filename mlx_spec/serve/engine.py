@@ -312,7 +312,7 @@ class BatchEngine(Worker):
         if drafter is not None:
             if drafter.rows > max(n, 1):
                 drafter.remove(drafter.rows - 1)
-            drafter.bind(self.decoder.cache)
+            drafter.bind(self.decoder.cache, self.decoder.width)
         return ((n == 0 or all(c.rows == n for c in self.decoder.cache))
                 and (drafter is None or drafter.rows == n or (n == 0 and drafter.rows <= 1)))
 
