@@ -133,11 +133,11 @@ def families(work: Path, names: list[str]) -> dict:
         target = load_model(str(tie_head(work / name, i)))[0]
         V = target.args.vocab_size
         width = exact.width(target, 8)
-        prompts = [rng.integers(3, V, n).tolist() for n in (240, 244)]
-        refs = [tokens(plain_steps(target, p, GREEDY, 20, width=width)) for p in prompts]
+        prompts = [rng.integers(3, V, n).tolist() for n in (246, 250)]
+        refs = [tokens(plain_steps(target, p, GREEDY, 14, width=width)) for p in prompts]
         kinds = family_drafters(target, {tuple(p): r for p, r in zip(prompts, refs)})
-        alone = {k: differing(target, prompts[:1], 20, make, width, refs[:1]) for k, make in kinds.items()}
-        row = {"width": width, **alone, "batch, draft-same": batch_differing(target, prompts, 20, kinds["draft-same"],
+        alone = {k: differing(target, prompts[:1], 14, make, width, refs[:1]) for k, make in kinds.items()}
+        row = {"width": width, **alone, "batch, draft-same": batch_differing(target, prompts, 14, kinds["draft-same"],
                                                                              width, refs)}
         result[name] = row
         print(json.dumps({name: row}), file=sys.stderr, flush=True)
