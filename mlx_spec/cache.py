@@ -48,6 +48,10 @@ class _Rows:
         """Where the next tokens go: an int while the rows are aligned, else `[B]`."""
         return self.lengths[0] if self.aligned else mx.array(self.lengths)
 
+    def empty_row(self) -> _Rows:
+        """A cache like this one of one row holding nothing (to `extend` it by a row)."""
+        return type(self)()
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The attention mask of N tokens about to be written: each row's queries see
         that row's cache and, causally, its new tokens (and only the last
@@ -251,6 +255,9 @@ class LayerCaches(_Rows):
 
     def row(self, b: int) -> LayerCaches:
         return LayerCaches([c.row(b) for c in self.caches])
+
+    def empty_row(self) -> LayerCaches:
+        return LayerCaches([c.empty_row() for c in self.caches])
 
     def remove(self, b: int) -> None:
         for c in self.caches:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import tree
-from mlx_spec.cache import KVCache, LayerCaches
+from mlx_spec.cache import KVCache
 from mlx_spec.sampling import SamplingParams, draw
 
 
@@ -279,8 +279,7 @@ class RowStates(Drafter):
 
     def add(self) -> None:
         for c in self.caches:
-            # a row holding nothing yet (a draft model's linear-attention layers too, and a layer's several caches)
-            c.extend(LayerCaches([type(x)() for x in c.caches]) if isinstance(c, LayerCaches) else type(c)())
+            c.extend(c.empty_row())  # a row holding nothing yet (a draft model's linear-attention layers too)
         for name, value in self.new_row().items():
             getattr(self, name).append(value)
 
