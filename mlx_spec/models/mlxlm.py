@@ -13,9 +13,10 @@ mask (full, a sliding window, or none for a linear-attention layer), Gemma's
 embedding scale as transformers computes it, transformers' YaRN where mlx-lm
 rounds it, gpt-oss's experts as transformers stores them, and the tape that
 rolls a Gated DeltaNet layer back (`cache.RecurrentCache`); for trees, each
-token rotated to its own position and the tree's mask. Hybrid targets verify
-chains only (the recurrence would have to follow each branch). docs/targets.md
-lists it all.
+token rotated to its own position and the tree's mask; under `--exact`, attention
+that verifies exactly (`exact.sdpa`, and `models/exact_attention.py` for the
+modules that attend by hand). Hybrid targets verify chains only (the recurrence
+would have to follow each branch). docs/targets.md lists it all.
 """
 
 from __future__ import annotations
