@@ -322,10 +322,14 @@ class RecurrentCache(_Rows):
         if S > TAPE_MAX:
             self.tape = []
             return False
-        self.tape.append({"S": S, "starts": list(self.lengths)})
-        while self.lengths[0] - self.tape[0]["starts"][0] + S > TAPE_MAX:  # (rows advance together)
-            self.tape.pop(0)
+        self._taped({"S": S, "starts": list(self.lengths)})
         return True
+
+    def _taped(self, forward: dict) -> None:
+        """`forward` (about to run from the rows' present lengths) on the tape, which keeps TAPE_MAX tokens."""
+        self.tape.append(forward)
+        while self.lengths[0] - self.tape[0]["starts"][0] + forward["S"] > TAPE_MAX:  # (rows advance together)
+            self.tape.pop(0)
 
     def end(self, S: int) -> None:
         self.lengths = [n + S for n in self.lengths]
@@ -430,13 +434,11 @@ class RecurrentCache(_Rows):
             if rows[0].arrays[i] is not None:
                 self.arrays[i] = mx.concatenate([r.arrays[i] for r in rows])
         tapes = [r.tape[-1] for r in rows]
-        S = tapes[0]["S"]
-        self.tape.append({"S": S, "starts": list(self.lengths), "conv": mx.concatenate([t["conv"] for t in tapes])})
+        forward = {"S": tapes[0]["S"], "starts": list(self.lengths), "conv": mx.concatenate([t["conv"] for t in tapes])}
         if "replay" in tapes[0]:
-            self.tape[-1]["replay"] = lambda kept: mx.concatenate([t["replay"]([n]) for t, n in zip(tapes, kept)])
-        while self.lengths[0] - self.tape[0]["starts"][0] + S > TAPE_MAX:
-            self.tape.pop(0)
-        self.end(S)
+            forward["replay"] = lambda kept: mx.concatenate([t["replay"]([n]) for t, n in zip(tapes, kept)])
+        self._taped(forward)
+        self.end(forward["S"])
 
     @property
     def nbytes(self) -> int:
