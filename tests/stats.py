@@ -6,9 +6,9 @@ import itertools
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.decoding import Decoder, speculative_steps
+from mlx_spec.decoding import Decoder, plain_steps, speculative_steps
 from mlx_spec.models import Model, parse_config
-from mlx_spec.sampling import log_probs
+from mlx_spec.sampling import SamplingParams, log_probs
 from tiny import make_config, random_weights
 
 
@@ -29,9 +29,18 @@ def tokens_of(events, limit=None):
     return out[:limit] if limit is not None else out
 
 
+def plain_greedy(model, prompts, n: int):
+    """`of(prompt, max_tokens)`: plain greedy decoding's tokens, each prompt decoded once, n tokens (a
+    shorter run's tokens are a longer one's first)."""
+    runs = {tuple(p): tokens_of(plain_steps(model, p, SamplingParams(), n)) for p in prompts}
+    return lambda prompt, max_tokens: runs[tuple(prompt)][:max_tokens]
+
+
 V = 4
 STAT_PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
 N = 1500
+FAMILY_N = 1000  # an architecture's own sampling check (its forwards, rollback and batch rows under the rule the
+# drafters' checks hold to N draws): a wrong rule is told apart within 125-1000 draws on every family
 
 
 def exact_joint(model, prompt, params, n_tokens):
@@ -92,11 +101,11 @@ def empirical_tv(model, make_drafter, params, p, n_tokens=3, n=N, **options):
 
 def told_apart(model, make_drafter, params, p, **options) -> bool:
     """Whether samples from a wrong rule are told from `p`: their TV distance exceeds what as many exact
-    draws exceed with probability 1e-3, looked at after 500, 1000 and N draws (a wrong rule shows early)."""
+    draws exceed with probability 1e-3, looked at after 125, 250, 500, 1000 and N draws (a wrong rule shows early)."""
     counts = dict.fromkeys(p, 0)
     for n, seq in enumerate(itertools.islice(_draws(model, make_drafter, params, 3, **options), N), 1):
         counts[seq] += 1
-        if n in (500, 1000, N) and _tv(counts, n, p) > tv_bound(p, n):
+        if n in (125, 250, 500, 1000, N) and _tv(counts, n, p) > tv_bound(p, n):
             return True
     return False
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_spec.cache import KVCache
-from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.decoding import speculative_steps
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.dflash import DFlash, DFlashNet, load_dflash, save_dflash
 from mlx_spec.drafters.dflash_layouts import dflash_config
@@ -15,7 +15,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 from helpers import later_turns_are_exact
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, plain_greedy, tiny, told_apart, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
 
@@ -39,11 +39,16 @@ def target(checkpoints):
 PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7]]
 
 
+@pytest.fixture(scope="module")
+def greedy(target):
+    return plain_greedy(target, PROMPTS, 30)
+
+
 @pytest.mark.parametrize("budget,sliding", [(None, False), (10, False), (None, True)], ids=["block", "ddtree", "sliding"])
-def test_greedy_is_token_identical_to_plain(target, budget, sliding):
+def test_greedy_is_token_identical_to_plain(target, greedy, budget, sliding):
     net, _ = random_net(target, sliding=sliding)
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 30), (None, 2, 7)):
-        plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))
+        plain = greedy(prompt, max_tokens)
         events = list(speculative_steps(target, prompt, GREEDY, max_tokens, DFlash(net, target, budget), num_draft=k))
         assert tokens_of(events) == plain, (budget, prompt, max_tokens, k)
 

@@ -1,5 +1,6 @@
 """The demo target split over 2 processes on this machine (MLX's ring backend on localhost), as
-`mlx.launch -n 2 --backend ring ... --shard tensor|pipeline` runs it: greedy output identical to one
+`mlx.launch -n 2 --backend ring ... --shard tensor|pipeline` runs it: each rank holding its share of the
+weights; greedy output identical to one
 process for plain decoding, a draft model, EAGLE-3 and DFlash; sampled output identical to one process
 with the same seed (and across the ranks); a killed or hung rank ends the other with one line within the
 timeout; a different checkpoint on one rank is refused at the start."""
@@ -22,19 +23,34 @@ from tiny import make_checkpoint
 PROMPT = "def is_prime(n):\n"
 DRAFTERS = ("none", "draft", "eagle3", "dflash")
 TOKENS = 16
-# Each rank writes what it decoded (`decode`) to OUT.RANK: only rank 0 may print.
+# Each rank reads a larger checkpoint (argv[3]: `read`), then decodes with the demo (`decode`), and writes
+# both to OUT.RANK: only rank 0 may print.
 DRIVER = """
 import json, os, sys
 from pathlib import Path
 
 from mlx_spec import api, distributed
+import mlx.core as mx
 
 sys.path.insert(0, {tests!r})
-from test_distributed import decode
+from test_distributed import decode, read
 
 distributed.start(sys.argv[1])
-Path(sys.argv[2] + "." + os.environ["MLX_RANK"]).write_text(json.dumps(decode(api.load("demo"))))
+out = read(sys.argv[3])
+mx.reset_peak_memory()
+out["decoded"] = decode(api.load("demo"))
+Path(sys.argv[2] + "." + os.environ["MLX_RANK"]).write_text(json.dumps(out))
 """.format(tests=str(Path(__file__).parent))
+
+
+def read(model: str) -> dict:
+    """`model` loaded: the peak memory it took, and its greedy tokens."""
+    from mlx_spec import api
+    import mlx.core as mx  # (after mlx-spec, which picks the BLAS)
+
+    target = api.load(model)
+    peak = mx.get_peak_memory()
+    return {"peak": peak, "tokens": api.generate(target, "def f(x):", chat_template=False, max_tokens=8).tokens}
 
 
 def decode(target) -> dict:
@@ -104,16 +120,38 @@ def one_process():
     return decode(api.load("demo"))
 
 
+@pytest.fixture(scope="module")
+def read_alone(tmp_path_factory) -> tuple[Path, dict]:
+    """A 32 MB checkpoint of 8 layers, and what one process holds at its peak and decodes with it."""
+    root = tmp_path_factory.mktemp("shares")
+    model = make_checkpoint(root / "model", "qwen3", seed=3, hidden_size=256, intermediate_size=1024,
+                            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_distributed import read; " \
+           f"print(json.dumps(read({str(model)!r})))"
+    one = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    return model, json.loads(one.stdout)
+
+
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_two_ranks_decode_as_one_process(mode, one_process, tmp_path):
-    """Greedy: plain, a draft model, EAGLE-3 and DFlash token for token as one process (tensor parallel
-    sums in another order, within rounding of the logits; pipeline is bit-exact); sampled at temperature
-    1 with a seed and K fixed, the same tokens too, on both ranks."""
+def test_two_ranks_read_their_shares_and_decode_as_one_process(mode, one_process, read_alone, tmp_path):
+    """One process holds all of a 32 MB checkpoint at its peak; each of 2 ranks reads its share of every
+    layer (tensor) or its 4 layers (pipeline), and the embedding and norms every rank keeps, and peaks well
+    below the whole, decoding what one process decodes. With the demo, greedy: plain, a draft model, EAGLE-3
+    and DFlash token for token as one process (tensor parallel sums in another order, within rounding of the
+    logits; pipeline is bit-exact); sampled at temperature 1 with a seed and K fixed, the same tokens too, on
+    both ranks."""
+    model, alone = read_alone
     (tmp_path / "driver.py").write_text(DRIVER)
-    run = mlx_launch(sys.executable, tmp_path / "driver.py", mode, tmp_path / "out")
+    run = mlx_launch(sys.executable, tmp_path / "driver.py", mode, tmp_path / "out", model)
     assert run.stdout == "" and "error" not in run.stderr.lower(), run.stderr
-    decoded = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
-    assert decoded[0] == decoded[1] == one_process
+    shares = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    whole = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    assert alone["peak"] > 0.95 * whole  # (the files hold their headers too)
+    for share in shares:
+        assert share["peak"] < 0.6 * whole, (share["peak"], whole)  # here 0.54 (tensor) and 0.51 (pipeline)
+        assert share["tokens"] == alone["tokens"]
+    assert shares[0]["decoded"] == shares[1]["decoded"] == one_process
     assert all(len(tokens) == TOKENS for tokens in one_process.values())
 
 
@@ -209,52 +247,6 @@ def test_another_checkpoint_on_one_rank_is_refused_at_the_start(checkpoints, tmp
     procs = ranks([args + [checkpoints["qwen3"]], args + [other]], tmp_path)
     for rank, proc in enumerate(procs):
         assert_one_line_error(finished(proc), "--model", "rank 1 loaded another target", *(["rank 1:"] if rank else []))
-
-
-# Each rank loads a checkpoint, writes its peak memory and greedy tokens to OUT.RANK.
-READER = """
-import json, os, sys
-from pathlib import Path
-
-import mlx.core as mx
-from mlx_spec import api, distributed
-
-if sys.argv[1] != "none":
-    distributed.start(sys.argv[1])
-target = api.load(sys.argv[2])
-peak = mx.get_peak_memory()
-tokens = api.generate(target, "def f(x):", chat_template=False, max_tokens=8).tokens
-Path(sys.argv[3] + "." + os.environ.get("MLX_RANK", "0")).write_text(json.dumps({"peak": peak, "tokens": tokens}))
-"""
-
-
-@pytest.fixture(scope="module")
-def read_alone(tmp_path_factory) -> tuple[Path, dict]:
-    """A 32 MB checkpoint of 8 layers, and what one process holds at its peak and decodes with it."""
-    root = tmp_path_factory.mktemp("shares")
-    model = make_checkpoint(root / "model", "qwen3", seed=3, hidden_size=256, intermediate_size=1024,
-                            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    (root / "reader.py").write_text(READER)
-    one = subprocess.run([sys.executable, root / "reader.py", "none", model, root / "one"],
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr
-    return model, json.loads((root / "one.0").read_text())
-
-
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_each_rank_reads_its_share_of_the_weights(mode, read_alone, tmp_path):
-    """One process holds all of a 32 MB checkpoint at its peak; each of 2 ranks reads its share of every
-    layer (tensor) or its 4 layers (pipeline), and the embedding and norms every rank keeps, and peaks well
-    below the whole; they decode what one process decodes."""
-    model, alone = read_alone
-    whole = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    run = mlx_launch(sys.executable, model.parent / "reader.py", mode, model, tmp_path / "two")
-    assert run.returncode == 0, run.stderr
-    shares = [json.loads((tmp_path / f"two.{r}").read_text()) for r in range(2)]
-    assert alone["peak"] > 0.95 * whole  # (the files hold their headers too)
-    for share in shares:
-        assert share["peak"] < 0.6 * whole, (share["peak"], whole)  # here 0.54 (tensor) and 0.51 (pipeline)
-        assert share["tokens"] == alone["tokens"]
 
 
 def test_shard_without_mlx_launch_is_refused(in_process):

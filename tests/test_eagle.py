@@ -13,7 +13,7 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 from helpers import later_turns_are_exact
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, plain_greedy, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
 
@@ -35,6 +35,11 @@ def target(checkpoints):
 
 
 PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7]]
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return plain_greedy(target, PROMPTS, 30)
 CASES = {
     "eagle1-chain": (1, None, None),
     "eagle1-tree": (1, None, 10),
@@ -45,11 +50,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_is_token_identical_to_plain(target, case):
+def test_greedy_is_token_identical_to_plain(target, greedy, case):
     version, draft_vocab, budget = CASES[case]
     net = random_net(target, version, draft_vocab=draft_vocab)
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 30), (None, 1, 4)):
-        plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))
+        plain = greedy(prompt, max_tokens)
         drafter = Eagle(net, target, budget=budget, topk=3, depth=4)
         events = list(speculative_steps(target, prompt, GREEDY, max_tokens, drafter, num_draft=k))
         assert tokens_of(events) == plain, (case, prompt, max_tokens, k)

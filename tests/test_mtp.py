@@ -18,7 +18,7 @@ from mlx_spec.drafters.mtp import MTP, MTPNet, load_mtp
 from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, plain_greedy, tiny, tokens_of, tv_bound
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mtp"
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -75,10 +75,15 @@ def test_module_logits_match_reference(case):
 PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7], [3, 9]]
 
 
-def test_greedy_is_token_identical_to_plain(case):
+@pytest.fixture(scope="module")
+def greedy(case):
+    return plain_greedy(case[3], PROMPTS, 24)
+
+
+def test_greedy_is_token_identical_to_plain(case, greedy):
     layout, net, _, target = case
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 24), (None, 1, 4)):
-        plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))
+        plain = greedy(prompt, max_tokens)
         events = speculative_steps(target, prompt, GREEDY, max_tokens, MTP(net, target), num_draft=k)
         assert tokens_of(events) == plain, (layout, prompt, max_tokens, k)
 

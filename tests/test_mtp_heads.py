@@ -5,16 +5,21 @@ import itertools
 import mlx.core as mx
 import pytest
 
-from mlx_spec.decoding import plain_steps, speculative_steps
+from mlx_spec.decoding import speculative_steps
 from mlx_spec.drafters import make_drafter
 from mlx_spec.drafters.mtp_heads import MTPHeads, MTPHeadsDrafter, mtp_heads_config
 from mlx_spec.files import write_model_files
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, plain_greedy, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
 PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7]]
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return plain_greedy(target, PROMPTS, 30)
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +28,14 @@ def target(checkpoints):
 
 
 @pytest.mark.parametrize("budget", [None, 8], ids=["chain", "tree"])
-def test_greedy_is_token_identical_to_plain(target, budget, tmp_path):
+def test_greedy_is_token_identical_to_plain(target, greedy, budget, tmp_path):
     mx.random.seed(0)
     config = mtp_heads_config(target, 3)
     heads = MTPHeads(config)
     write_model_files(tmp_path / "heads", config, heads.weights())
     drafter = make_drafter(f"mtp-heads={tmp_path / 'heads'}", target, tree_budget=budget)
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 30), (None, 2, 3)):
-        plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))
+        plain = greedy(prompt, max_tokens)
         events = list(speculative_steps(target, prompt, GREEDY, max_tokens, drafter.new_session(), num_draft=k))
         assert tokens_of(events) == plain, (budget, prompt, max_tokens, k)
 

@@ -12,10 +12,15 @@ from mlx_spec.errors import UserError
 from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams
 from tiny import make_checkpoint
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, plain_greedy, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
 PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7]]
+
+
+@pytest.fixture(scope="module")
+def greedy(deep):
+    return plain_greedy(deep, PROMPTS, 30)
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +30,9 @@ def deep(tmp_path_factory):
 
 
 @pytest.mark.parametrize("skip", [[1], [2, 3], [1, 2, 3, 4], None])
-def test_greedy_is_token_identical_to_plain(deep, skip):
+def test_greedy_is_token_identical_to_plain(deep, greedy, skip):
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 5, 30), (None, 1, 4)):
-        plain = tokens_of(plain_steps(deep, prompt, GREEDY, max_tokens))
+        plain = greedy(prompt, max_tokens)
         events = list(speculative_steps(deep, prompt, GREEDY, max_tokens, SkipDrafter(deep, skip), num_draft=k))
         assert tokens_of(events) == plain, (skip, prompt, max_tokens, k)
 

@@ -18,7 +18,7 @@ from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams, log_probs
 from mlx_spec.tokenizer import load_tokenizer
 from helpers import later_turns_are_exact
-from stats import N, STAT_PROMPT, V, empirical_tv, told_apart, exact_joint, tiny, tokens_of, tv_bound
+from stats import N, STAT_PROMPT, V, empirical_tv, told_apart, exact_joint, plain_greedy, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
 
@@ -76,10 +76,15 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def greedy(target):
+    return plain_greedy(target, PROMPTS, 33)
+
+
 @pytest.mark.parametrize("kind", ["lookup", "suffix", "draft-same", "draft-other", "draft-padded", "draft-narrow"])
-def test_greedy_is_token_identical_to_plain(target, drafters, kind):
+def test_greedy_is_token_identical_to_plain(target, drafters, greedy, kind):
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 2, 7, 33), (None, 1, 3, 8)):
-        plain = tokens_of(plain_steps(target, prompt, GREEDY, max_tokens))
+        plain = greedy(prompt, max_tokens)
         events = list(speculative_steps(target, prompt, GREEDY, max_tokens, drafters[kind](), num_draft=k))
         # Exactly max_tokens, even when the last draft was longer than the budget.
         assert tokens_of(events) == plain, (kind, prompt, max_tokens, k)

@@ -25,7 +25,7 @@ from mlx_spec.models.mlxlm import MLXLMTarget
 from mlx_spec.models.whole import WholeTarget
 from mlx_spec.sampling import SamplingParams
 
-from stats import N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart, tv_bound
+from stats import FAMILY_N, STAT_PROMPT, V, empirical_tv, exact_joint, tiny, told_apart, tv_bound
 from test_mlxlm_targets import FIXTURES, assert_is_transformers, chain_drafter, families, load_family, seeded
 from test_speculative import resample_from_target
 
@@ -144,7 +144,7 @@ def test_sampling_matches_the_targets_distribution(name, monkeypatch):
     params = SamplingParams(temp=1.0)
     make = lambda: DraftModel(tiny(1, V, logit_scale=0.3), V)  # noqa: E731
     p = exact_joint(target, STAT_PROMPT, params, 3)
-    assert empirical_tv(target, make, params, p) < tv_bound(p, N)
+    assert empirical_tv(target, make, params, p, n=FAMILY_N) < tv_bound(p, FAMILY_N)
     monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)  # a wrong rule fails it
     assert told_apart(target, make, params, p)
 
