@@ -4,35 +4,33 @@ A row whose draft position i is accepted with probability a_i (given the ones be
 
     E(K) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{K-1}
 
-tokens from a round of K drafts (Leviathan et al., with one alpha per position). At batch size B that
-round costs T_B(K) seconds, measured whole: drafting, the verification of B rows of K + 1 tokens, the
-host's work. The policy picks the K with the most tokens a second,
+tokens from a round of K drafts (Leviathan et al., with one alpha per position). At batch size B that round costs
+T_B(K) seconds, measured whole: drafting, the verification of B rows of K + 1 tokens, the host's work. The policy
+picks the K with the most tokens a second,
 
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
-and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all).
-T_B(K) is the median of the last rounds at K; a K measured less is read linearly between the lengths measured (a
-GPU's verification steps up from one token to two, then rises little; a CPU's rises, with dips where its kernels'
-tiles fall: each K that would pay is run once), and past them along their line (before two are, a drafted token
-adds SLOPE plain rounds). A batch size met first borrows the nearest one's times, scaled as its own rounds
-compare. Plain rounds are timed queued, as plain decoding goes on. The first drafting round after plain ones is a
-switch (its drafter catches up): its extra time is what probes weigh.
+and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all). T_B(K) is
+the median of the last rounds at K; a K measured less is read linearly between the lengths measured (a GPU's
+verification steps up from one token to two, then rises little; a CPU's rises, with dips where its kernels' tiles
+fall: each K that would pay is run once), and past them along their line (before two are, its own rounds that went on,
+else SLOPE plain rounds a drafted token). A batch size met first borrows the nearest one's times, scaled as its own
+rounds compare. Plain rounds are timed queued, as plain decoding goes on. The first drafting round after plain ones is
+a switch (its drafter catches up): its extra time is what probes weigh.
 
-Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a
-bad patch passes), and now and then it probes at its best drafting K, as far apart as keeps what probes are
-expected to lose at EXPLORE of plain decoding's time. Prompt lookup and suffix decoding need none: each plain
-round tells the odds their guess had (`record`'s `odds`). `choose` comes before a round, with no effect (the
-decoder also asks whether the next round will be plain, to queue it); `record` after it. `last` is the decision,
-which says why."""
+Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a bad
+patch passes), and now and then it probes at its best drafting K, as far apart as keeps what probes are expected to
+lose at EXPLORE of plain decoding's time. Prompt lookup and suffix decoding need none: each plain round tells the odds
+their guess had (`record`'s `odds`). `choose` comes before a round (no effect), `record` after it; `last` says why."""
 
 from __future__ import annotations
 
 import operator
-import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
+from statistics import median
 
 from mlx_spec import distributed
 from mlx_spec.sampling import SamplingParams
@@ -89,14 +87,15 @@ class Costs:
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
     borrowed: dict[int, float] = field(default_factory=dict)  # K -> the nearest batch size's T(K), when this met first
+    first: dict[int, float] = field(default_factory=dict)  # K -> its first round, a switch (its drafter catching up)
 
     def known(self) -> dict[int, tuple[float, int]]:
         """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this
         size's rounds to them at the drafting K run here (a CPU's 16 rows cost many times 2 rows'), else plain."""
-        own = {k: (statistics.median(t), len(t)) for k, t in self.times.items() if t}
+        own = {**{k: (t, 1) for k, t in self.first.items()}, **{k: (median(t), len(t)) for k, t in self.times.items()}}
         ratios = [own[k][0] / t for k, t in self.borrowed.items() if k and k in own] or [
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
-        return {**{k: (t * statistics.median(ratios), 1) for k, t in self.borrowed.items()}, **own}
+        return {**{k: (t * median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
     def seconds(self, k: int, known: dict | None = None) -> float:
         """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths `known` (K = 0:
@@ -110,8 +109,9 @@ class Costs:
         if above is not None:
             (t0, _), (t1, _) = points[below], points[above]
             line = t0 + (t1 - t0) * (k - below) / (above - below)
-        elif len(points) < 3:
-            line = points[below][0] + SLOPE * points[0][0] * (k - below)
+        elif len(points) < 3:  # an assumed slope, unless two rounds at K went on (one may compile) or it is
+            seen = len(self.times.get(k, ())) > 1 or k in self.borrowed  # borrowed (a tree verifies its nodes, not K)
+            line = own if seen else points[below][0] + SLOPE * points[0][0] * (k - below)
         else:  # the least-squares slope of the lengths measured, each weighed by its rounds
             line = points[below][0] + max(_slope({j: p for j, p in points.items() if j}), 0.0) * (k - below)
         return min(own, max(line, points[0][0]))
@@ -183,7 +183,7 @@ class Policy:
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self._costs(len(keys))
-        if c.times and not c.times.get(0):  # a first round drafts on what is assumed; then a plain
+        if (c.times or c.first) and not c.times.get(0):  # a first round drafts on what is assumed; then a plain
             return Decision(0, "timing a plain round")  # round is timed, queued: what every K is weighed against
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
@@ -193,7 +193,7 @@ class Policy:
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
         if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run that would pay is tried
-            untried = [j for j in range(1, most + 1) if j not in c.times and rate[j] > rate[0] and c.drafting]
+            untried = [j for j in range(1, most + 1) if j not in c.times | c.first and rate[j] > rate[0] and c.drafting]
             k = max(untried, key=rate.__getitem__, default=best)  # once: a dip the line misses, where tiles fall)
             return Decision(k, "drafting pays" + "; trying a length not run yet" * (k != best), k, tokens, seconds)
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
@@ -228,8 +228,7 @@ class Policy:
             if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)
                 extra = max(seconds - c.seconds(k), 0.0)
                 c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
-            if not c.times.get(k):  # a first round at a K stands for it until rounds that go on are timed
-                c.times[k] = deque([seconds], maxlen=RECENT)
+            c.first[k] = seconds  # it stands for its K until rounds that go on are timed (`known`)
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1

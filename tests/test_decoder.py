@@ -40,7 +40,7 @@ def test_rows_with_different_drafters_produce_what_they_would_alone(target, chec
     V = target.args.vocab_size
     drafters = [PromptLookup(1, 3), DraftModel(other, V), None, Eagle(eagle, target, budget=6, topk=2, depth=3)]
     lengths = [20, 9, 14, 17]
-    decoder = Decoder(target)
+    decoder = Decoder(target, num_draft=3)  # K fixed: whether drafting pays here is not the question
     out = {i: [] for i in range(4)}
     # Rows 0 and 1 start; 2 and 3 join a few rounds later; each leaves at its own length.
     for i in (0, 1):

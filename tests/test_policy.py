@@ -116,6 +116,21 @@ def test_probes_lose_at_most_their_share_whatever_a_switch_costs():
         assert speed > 0.97 and drafting > 0, (switch, speed, drafting)
 
 
+def test_a_batch_size_met_later_believes_what_it_borrows_over_the_assumed_slope():
+    """Rows drafting a 16-node tree on the demo (EAGLE-3, CPU, 16 rows): a round costs 11.5 plain rounds
+    whatever its depth (26 ms plain, 265-370 ms drafted, measured), where the assumed slope says 1.3. The
+    first batch size learns it in its first rounds (two that go on outweigh the slope: one may be a shape
+    compiling); each size met after it (rows leaving) borrows it and drafts no more. (Believing the slope
+    over what it borrowed, every size drafted 4 dear rounds, as the demo's trees did at 15, 10 and 4 rows.)"""
+    tree = {1: 26.0, **{s: 300.0 for s in range(2, 18)}}
+    for alpha in (0.3, 0.6, 0.8):
+        policy, drafted = Policy(), []
+        for rows in (16, 15, 14, 13, 12):
+            _, _, chosen = simulate(tree, alpha, 0.0, rows=rows, rounds=60, policy=policy)
+            drafted.append(sum(k > 0 for k in chosen))
+        assert drafted[0] <= 4 and drafted[1:] == [0] * 4, (alpha, drafted)
+
+
 def test_a_row_drafts_again_once_its_text_turns_easy():
     policy = Policy()
     simulate(CPU[1], 0.05, 1.5, policy=policy, rounds=200)
