@@ -350,3 +350,20 @@ def test_a_prompt_token_outside_the_vocabulary_is_refused():
         with pytest.raises(ValueError, match=r"outside the vocabulary \(0..63\)"):
             decoder.add(0, prompt, GREEDY, 4)
     assert not decoder.rows
+
+
+def test_the_batch_trace_prints_each_drafting_round_and_the_plain_ones(monkeypatch, capsys):
+    """scripts/batch_trace.py on the demo: a line per drafting round (its rows, K, time and the policy's
+    reason), then the plain rounds by batch size."""
+    import re
+    import sys
+
+    import batch_trace
+
+    monkeypatch.setattr(sys, "argv", ["batch_trace.py", "--drafter", "draft", "--rows", "2", "--max-tokens", "8",
+                                      "--temp", "0", "--num-prompts", "2"])
+    batch_trace.main()
+    lines = capsys.readouterr().out.splitlines()
+    drafted = [s for s in lines if re.fullmatch(r" *[12] rows  K=\d+ +[\d.]+ ms  K=\d+: .+", s)]
+    plain = [s for s in lines if re.fullmatch(r" *[12] rows  plain: \d+ rounds, [\d.]+ ms each", s)]
+    assert drafted and plain and lines == drafted + plain and plain[0].startswith("  2 rows"), lines
