@@ -126,8 +126,8 @@ def read_alone(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("shares")
     model = make_checkpoint(root / "model", "qwen3", seed=3, hidden_size=256, intermediate_size=1024,
                             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_distributed import read; " \
-           f"print(json.dumps(read({str(model)!r})))"
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_distributed import read; print(json.dumps(read({str(model)!r})))")
     one = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
     return model, json.loads(one.stdout)

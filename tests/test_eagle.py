@@ -35,11 +35,6 @@ def target(checkpoints):
 
 
 PROMPTS = [[1, 87, 85, 71, 84], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41], [7]]
-
-
-@pytest.fixture(scope="module")
-def greedy(target):
-    return plain_greedy(target, PROMPTS, 30)
 CASES = {
     "eagle1-chain": (1, None, None),
     "eagle1-tree": (1, None, 10),
@@ -47,6 +42,11 @@ CASES = {
     "eagle3-small-vocab-chain": (3, 100, None),
     "eagle3-small-vocab-tree": (3, 100, 12),
 }
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return plain_greedy(target, PROMPTS, 30)
 
 
 @pytest.mark.parametrize("case", list(CASES))
