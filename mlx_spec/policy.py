@@ -87,7 +87,7 @@ class Costs:
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
     borrowed: dict[int, float] = field(default_factory=dict)  # K -> the nearest batch size's T(K), when this met first
-    first: dict[int, float] = field(default_factory=dict)  # K -> its first round, a switch (its drafter catching up)
+    first: dict[int, float] = field(default_factory=dict)  # K -> its last switch round (its drafter catching up)
 
     def known(self) -> dict[int, tuple[float, int]]:
         """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this

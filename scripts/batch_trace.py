@@ -12,6 +12,7 @@ those times say do not pay.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
 
@@ -21,6 +22,7 @@ import mlx.core as mx
 from mlx_spec import api
 from mlx_spec.bench.methods import load_prompts
 from mlx_spec.decoding import Decoder
+from mlx_spec.errors import UserError
 from mlx_spec.sampling import SamplingParams
 
 
@@ -35,8 +37,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
-    target = api.load(args.model)
-    drafter = api.drafter(args.drafter, target, **({"tree_budget": args.tree_budget} if args.tree_budget else {}))
+    try:
+        target = api.load(args.model)
+        drafter = api.drafter(args.drafter, target, **({"tree_budget": args.tree_budget} if args.tree_budget else {}))
+    except UserError as e:
+        print(f"batch_trace: {e}", file=sys.stderr)
+        sys.exit(2)
     suites = argparse.Namespace(prompts=args.prompts, num_prompts=args.num_prompts, think=None, context=None,
                                 no_chat_template=False)
     prompts = load_prompts(suites, target.tokenizer)
