@@ -5,8 +5,8 @@ mlx-spec's own commands (`scripts/build_demo.py` rebuilds them all).
 `--model demo` is this target, and `--drafter KIND` with no source is then
 the demo's own drafter of that kind. `--model demo-layerskip` is a copy of the
 target tuned for early exit, for `--drafter layerskip`; `demo-student-labels`
-is the student trained as long on the labels alone, the baseline the distilled
-student (`--drafter draft`) is measured against.
+is the student trained on the labels alone as long as its first distillation,
+the baseline the distilled student (`--drafter draft`) is measured against.
 """
 
 from __future__ import annotations
