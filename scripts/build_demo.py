@@ -48,7 +48,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx_spec  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
@@ -308,12 +308,13 @@ def regenerate_rows(work: Path, prompts: list[list[int]], temps: list[float], ou
     os.replace(out.with_suffix(".tmp"), out)
 
 
-def write_answers(work: Path, folder: Path, splits: dict[str, tuple[list[list[int]], list[float]]]) -> Path:
-    """The target's answers to each split's prompts, each at its temperature, as
-    FOLDER/SPLIT.jsonl. Two processes, one a core."""
+def write_answers(work: Path, folder: Path, make_splits: Callable[[], dict[str, tuple[list, list[float]]]]) -> Path:
+    """The target's answers to each split's prompts (`make_splits()`: split -> prompts, temperatures), each at
+    its temperature, as FOLDER/SPLIT.jsonl, unless already written. Two processes, one a core."""
     if (folder / "valid.jsonl").exists():
         return folder
     folder.mkdir(exist_ok=True)
+    splits = make_splits()
     log(f"{folder.name}: the target answers {sum(len(prompts) for prompts, _ in splits.values())} prompts")
     jobs = [(prompts[half::2], temps[half::2], folder / f"{split}-{half}.jsonl")
             for split, (prompts, temps) in splits.items() for half in (0, 1)]
@@ -334,10 +335,10 @@ def build_self_data(work: Path, args: argparse.Namespace) -> Path:
     benchmark's (greedy, a quarter sampled at temperature 1), the data the
     drafters train on: what they must predict is what this target says, not
     what the corpus says."""
-    splits = {}
-    for split, count in (("train", args.self_examples), ("valid", 64)):
-        temps = [1.0 if i % 4 == 3 else 0.0 for i in range(count)]
-        splits[split] = (self_prompts(work, split, count, args.seed), temps)
+    def splits() -> dict:
+        return {split: (self_prompts(work, split, count, args.seed), [1.0 if i % 4 == 3 else 0.0 for i in range(count)])
+                for split, count in (("train", args.self_examples), ("valid", 64))}
+
     return write_answers(work, work / "data-self", splits)
 
 
@@ -346,9 +347,11 @@ def build_sampled_data(work: Path, args: argparse.Namespace) -> Path:
     prompts, 2100 of them sampled at temperature 1 (a draft model sampling at
     temperature 1 meets the target's samples, a quarter of the first data), the
     held-out prompts sampled."""
-    first, more = self_prompts(work, "train", 1200, args.seed + 1), self_prompts(work, "train", 1800, args.seed + 2)
-    splits = {"train": (first + more, [1.0] * len(first) + [float(i % 2) for i in range(len(more))]),
-              "valid": (self_prompts(work, "valid", 64, args.seed), [1.0] * 64)}
+    def splits() -> dict:
+        first, more = self_prompts(work, "train", 1200, args.seed + 1), self_prompts(work, "train", 1800, args.seed + 2)
+        return {"train": (first + more, [1.0] * len(first) + [float(i % 2) for i in range(len(more))]),
+                "valid": (self_prompts(work, "valid", 64, args.seed), [1.0] * 64)}
+
     return write_answers(work, work / "data-sampled", splits)
 
 
