@@ -6,6 +6,14 @@ makes MLX's `cblas_*` calls resolve to it (30-60x faster). Set
 MLX_SPEC_NO_OPENBLAS=1 to keep the reference BLAS, whose T=1 and T=k logits
 are bit-identical (what the exactness tests rely on).
 
+OpenBLAS picks its kernels by the CPU model it knows; a CPU newer than the
+OpenBLAS installed gets its oldest (Prescott's SSE3: float32 GEMM at 67
+GFLOP/s on an AVX-512 Xeon that OpenBLAS 0.3.21 did not know). Unless
+OPENBLAS_CORETYPE says otherwise, a CPU with AVX2 and FMA gets Haswell's
+kernels (184 GFLOP/s there): AVX-512's (SkylakeX's, 204-321) sum a product in
+other orders where a verified tree's keys sit, and `--exact` trees then part
+from plain decoding (tests/test_exact.py), as they do not with Haswell's.
+
 OpenBLAS's helper threads then get cores of their own (`pin_threads`): left to
 the scheduler, they share a core with the Python thread now and then, and every
 step runs slower by turns. Set MLX_SPEC_NO_PIN=1 to leave them be.
@@ -20,6 +28,7 @@ import sys
 
 DISABLE_ENV = "MLX_SPEC_NO_OPENBLAS"
 NO_PIN_ENV = "MLX_SPEC_NO_PIN"
+CORE_ENV = "OPENBLAS_CORETYPE"
 
 _CANDIDATES = (
     "libopenblas.so.0",
@@ -55,6 +64,8 @@ def preload() -> None:
     found = ctypes.util.find_library("openblas")
     if found:
         names.append(found)
+    if CORE_ENV not in os.environ and kernels():
+        os.environ[CORE_ENV] = kernels()  # read as OpenBLAS loads
     for name in names:
         before = _threads()
         try:
@@ -65,6 +76,16 @@ def preload() -> None:
         helpers.update(_threads() - before)
         return
     reason = "no system OpenBLAS found"
+
+
+def kernels(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The OpenBLAS kernels for this CPU: Haswell's where it has AVX2 and FMA, else None (OpenBLAS's choice)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next(set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags"))
+    except (OSError, StopIteration, IndexError):
+        return None
+    return "Haswell" if {"avx2", "fma"} <= flags else None
 
 
 def _threads() -> set[int]:
@@ -121,7 +142,11 @@ def describe_threads() -> str:
 def describe() -> str:
     """One line naming the BLAS MLX's CPU backend uses."""
     if loaded:
-        return f"OpenBLAS ({loaded}, preloaded by mlx-spec)"
+        core = getattr(ctypes.CDLL(loaded), "openblas_get_corename", None)
+        if core is not None:
+            core.restype = ctypes.c_char_p
+        kernels = f"; {core().decode()} kernels" if core is not None else ""
+        return f"OpenBLAS ({loaded}, preloaded by mlx-spec{kernels})"
     if sys.platform == "darwin":
         return "Accelerate"
     return f"reference BLAS bundled with mlx[cpu] ({reason})"

@@ -58,9 +58,26 @@ def test_doctor_reports_backend_and_blas():
     assert "any other family mlx-lm implements" in out.stdout and "not checked against transformers" in out.stdout
     if sys.platform.startswith("linux"):
         assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread
+        from mlx_spec import _blas
+        if _blas.kernels():  # chosen by the CPU's features; a user's OPENBLAS_CORETYPE stands
+            assert "Haswell kernels)" in out.stdout
+            assert "SkylakeX kernels)" in run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "",
+                                                             "OPENBLAS_CORETYPE": "SkylakeX"}).stdout
         off = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "1"})
         assert "reference BLAS" in off.stdout and "MLX_SPEC_NO_OPENBLAS" in off.stdout
         assert "threads   left to the scheduler (disabled by MLX_SPEC_NO_OPENBLAS)" in off.stdout
+
+
+def test_openblas_kernels_follow_the_cpus_features(tmp_path):
+    """AVX2 and FMA: Haswell's kernels (OpenBLAS gives a CPU it does not know its SSE3 ones); else its own."""
+    from mlx_spec import _blas
+
+    cpu = tmp_path / "cpuinfo"
+    cpu.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\nprocessor\t: 1\n")
+    assert _blas.kernels(str(cpu)) == "Haswell"
+    cpu.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx\n")
+    assert _blas.kernels(str(cpu)) is None
+    assert _blas.kernels(str(tmp_path / "none")) is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux")
