@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import tree
+from mlx_spec.attention import scaled_dot_product_attention
 from mlx_spec.cache import STEP, trim_cache
 from mlx_spec.errors import UserError
 
@@ -123,12 +124,15 @@ def over_keys(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 def sdpa(original):
     """mlx-lm's `scaled_dot_product_attention`, as its attention modules call it: `over_keys` while a
-    forward verifies exactly, else `original`."""
+    forward verifies exactly, `attention.scaled_dot_product_attention` while one decodes (a cache of keys
+    as they are, no sinks), else `original`."""
 
     def attend(queries, keys, values, cache, scale: float, mask, sinks=None):
-        if not EXACTLY.get():
+        if EXACTLY.get():
+            return over_keys(queries, keys, values, scale, mask, sinks)
+        if cache is None or sinks is not None or hasattr(cache, "bits"):  # training, gpt-oss, quantized keys
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        return over_keys(queries, keys, values, scale, mask, sinks)
+        return scaled_dot_product_attention(queries, keys, values, scale, mask)
 
     return attend
 

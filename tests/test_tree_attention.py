@@ -1,5 +1,6 @@
 """Tree attention: the reference path against per-node attention, the Metal
-kernel's self-check and fallback, and the kernel's guard where Metal is absent."""
+kernel's self-check and fallback, and the kernel's guard where Metal is absent;
+the CPU's attention (its own exp) against MLX's SDPA."""
 
 import warnings
 
@@ -80,6 +81,33 @@ def test_reference_equals_attention_over_each_nodes_path(no_metal, tree, cached,
     assert got.shape == q.shape
     assert np.abs(np.array(got) - want).max() < 1e-5
     assert attention.default_backend.active == REFERENCE
+
+
+def test_the_cpus_attention_is_mlxs_sdpa_over_every_mask_and_shape():
+    """Shapes in turn as decoding meets them (its compiled exp holds no shape: a key length of one after
+    longer ones, queries one and many, a batch's masks, every head's), a row that sees no key (the values'
+    mean, as MLX's), scores far apart (weights under float32's least normal): MLX's SDPA within float rounding."""
+    assert mx.default_device() == mx.cpu
+    rng = np.random.default_rng(0)
+    for B, H, H_kv, S, n, mask in [(1, 4, 2, 1, 300, None), (2, 4, 2, 5, 300, "causal"), (1, 4, 2, 1, 1, None),
+                                   (2, 6, 3, 3, 40, "rows"), (1, 4, 4, 4, 9, "heads"), (3, 4, 1, 2, 17, "plain"),
+                                   (1, 4, 2, 2, 6, "blind"), (1, 2, 2, 3, 64, "far")]:
+        q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+                   for shape in ((B, H, S, 16), (B, H_kv, n, 16), (B, H_kv, n, 16)))
+        causal = np.arange(n)[None] <= np.arange(n - S, n)[:, None]  # [S, n]
+        m = {None: None, "causal": "causal", "plain": mx.array(causal),
+             "blind": mx.array(causal & (np.arange(S) > 0)[:, None]),
+             "rows": mx.array(causal & (rng.random((B, 1, S, n)) < 0.7) | (np.arange(n) == n - S)),
+             "heads": mx.array(causal & (rng.random((1, H, S, n)) < 0.7) | (np.arange(n) == n - S)),
+             "far": mx.array(causal)}[mask]
+        if mask == "far":
+            q = q * 40.0
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+        got = attention.scaled_dot_product_attention(q, k, v, 0.25, m)
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (B, H, S, n, mask)
+    additive = mx.zeros((S, n))  # a mask of scores: MLX's SDPA, as given
+    assert mx.allclose(attention.scaled_dot_product_attention(q, k, v, 0.25, additive),
+                       mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=additive)).item()
 
 
 def case(parents=TREES["mixed"], cached=3):

@@ -40,6 +40,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_spec.attention import scaled_dot_product_attention
 from mlx_spec.cache import KVCache, cut_cache
 from mlx_spec.drafters.dflash_layouts import DFLASH2, dflash_settings, is_dflash2, zlab_config
 from mlx_spec.drafters.base import (EMPTY, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix, depth_tree, draw_rows,
@@ -124,8 +125,8 @@ class DFlashNet(nn.Module):
         q, kb, vb = layer.self_attn.qkv(h, c.offset, None)  # each row's block sits right after its context
         keys = mx.concatenate([c.keys[..., :L, :], kb], axis=2) if L else kb
         values = mx.concatenate([c.values[..., :L, :], vb], axis=2) if L else vb
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=layer.self_attn.scale,
-                                                    mask=self._mask(i, c.lengths, h.shape[1]))
+        mask = self._mask(i, c.lengths, h.shape[1])
+        return scaled_dot_product_attention(q, keys, values, layer.self_attn.scale, mask)
 
     def logits(self, target: Model, h: mx.array) -> mx.array:
         """The target's LM head (or the drafter's own, over its draft vocabulary) on the block's states, scaled

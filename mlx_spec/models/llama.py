@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_spec import exact
-from mlx_spec.attention import TreeMask, tree_attention
+from mlx_spec.attention import TreeMask, scaled_dot_product_attention, tree_attention
 from mlx_spec.cache import KVCache, make_cache
 from mlx_spec.errors import UserError
 from mlx_spec.exact import EXACTLY, ExactMask
@@ -93,13 +93,14 @@ class Attention(nn.Module):
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None, cache: KVCache | None
     ) -> mx.array:
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)  # [B, H_kv, cached + S, D]
+        if cache is None:  # training (and forwards that keep nothing): the fast SDPA, which has a gradient
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        k, v = cache.update_and_fetch(k, v)  # [B, H_kv, cached + S, D]
         if isinstance(mask, TreeMask):
             return tree_attention(q, k, v, mask, self.scale)
         if isinstance(mask, ExactMask):  # whole blocks of the cache's buffer
             return exact.attention(q, cache.keys, cache.values, mask, self.scale)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return scaled_dot_product_attention(q, k, v, self.scale, mask)
 
 
 class MLP(nn.Module):
