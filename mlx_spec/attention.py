@@ -9,17 +9,13 @@ dense mask. `tree_attention` runs it one of two ways:
   and only once it has matched the reference on a small random case (else one
   warning and the reference for the rest of the process).
 
-`scaled_dot_product_attention` is MLX's fast SDPA for inference, but where MLX computes on the CPU:
-there its exp costs ~20 ns an element (numpy's under 1 ns on the same machine), and the softmax
-over the keys was most of a decoding step at 8k tokens of context and a third of a 16-row
-verification at 150. exp(x) = 2^n 2^f (n = round(x log2 e), |f| <= 1/2): 2^f from its Taylor
-series to f^6 (error under 2e-8, below float32's rounding), 2^n written into a float's exponent
-bits; as accurate as MLX's exp, and a fused pass over the scores.
+`scaled_dot_product_attention` is MLX's fast SDPA for inference, but where MLX computes on the CPU
+its softmax takes `cpu_exp`'s exp: MLX's there made the softmax over the keys most of a decoding step
+at 8k tokens of context, and a third of a 16-row verification at 150.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,6 +24,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlx_spec.cpu_exp import compiled_exp_factors
 from mlx_spec.tree import ancestor_matrix
 
 
@@ -37,26 +34,6 @@ def causal_array(S: int, cache=None) -> mx.array:
     if cache is not None:
         return cache.make_mask(S, return_array=True)
     return mx.array(np.tril(np.ones((S, S), dtype=bool)))
-
-
-LOG2E = 1 / math.log(2)
-TAYLOR = [math.log(2) ** i / math.factorial(i) for i in range(7)]  # 2^f = e^(f ln 2) = sum_i (f ln 2)^i / i!
-
-
-def _exp_factors(x: mx.array) -> tuple[mx.array, mx.array]:
-    """exp(x), x <= 0, as two factors a multiply apart: 2^f and the bits of 2^n (float32's exponent field), n at
-    least -126 (float32's least normal: a masked key weighs that, an unmasked one at least 1)."""
-    t = mx.maximum(x * LOG2E, -126.0)
-    n = mx.round(t)
-    f = t - n
-    p = TAYLOR[-1]
-    for c in reversed(TAYLOR[:-1]):
-        p = p * f + c
-    return p, (n.astype(mx.int32) + 127) << 23
-
-
-# Elementwise, so no shape in its graph (`view` does not compile shapeless, nor a broadcast: its pattern is a shape's)
-_compiled_exp_factors = mx.compile(_exp_factors, shapeless=True)
 
 
 def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
@@ -76,8 +53,8 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, scale: f
     scores = (q * scale).reshape(B, H_kv, H // H_kv, S, D) @ k[:, :, None].swapaxes(-1, -2)  # [B, H_kv, group, S, n]
     if mask is not None:  # a row with no key unmasked averages the values, as MLX's SDPA does
         scores = mx.where(mask, scores, -3e38)
-    p, bits = _compiled_exp_factors(scores - scores.max(-1, keepdims=True))
-    weights = p * bits.view(mx.float32)  # exp(scores - max)
+    p, bits = compiled_exp_factors(scores - scores.max(-1, keepdims=True))
+    weights = p * bits.view(mx.float32)  # exp(scores - max): a masked key's 2^-126, float32's least normal
     out = (weights @ v[:, :, None]) / weights.sum(-1, keepdims=True)  # [B, H_kv, group, S, Dv]
     return out.reshape(B, H, S, -1)
 

@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_spec import exact
 from mlx_spec.attention import TreeMask, scaled_dot_product_attention, tree_attention
 from mlx_spec.cache import KVCache, make_cache
+from mlx_spec.cpu_exp import silu
 from mlx_spec.errors import UserError
 from mlx_spec.exact import EXACTLY, ExactMask
 from mlx_spec.models.config import ModelArgs
@@ -112,7 +113,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
