@@ -64,8 +64,8 @@ def preload() -> None:
     found = ctypes.util.find_library("openblas")
     if found:
         names.append(found)
-    if CORE_ENV not in os.environ and kernels():
-        os.environ[CORE_ENV] = kernels()  # read as OpenBLAS loads
+    if CORE_ENV not in os.environ and (core := kernels()):
+        os.environ[CORE_ENV] = core  # read as OpenBLAS loads
     for name in names:
         before = _threads()
         try:
