@@ -50,12 +50,13 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, scale: f
     if mask is not None and mask.ndim > 2:  # its head axis (1 or H) split as the queries' is
         heads = (H_kv, H // H_kv) if mask.shape[-3] == H else (1, 1)
         mask = mask.reshape(mask.shape[0] if mask.ndim == 4 else 1, *heads, *mask.shape[-2:])
-    scores = (q * scale).reshape(B, H_kv, H // H_kv, S, D) @ k[:, :, None].swapaxes(-1, -2)  # [B, H_kv, group, S, n]
+    g = H // H_kv  # a key-value head's g S queries in one product: its keys read once, not g times
+    scores = (q * scale).reshape(B, H_kv, g * S, D) @ k.swapaxes(-1, -2)  # [B, H_kv, g S, n]
     if mask is not None:  # a row with no key unmasked averages the values, as MLX's SDPA does
-        scores = mx.where(mask, scores, -3e38)
+        scores = mx.where(mask, scores.reshape(B, H_kv, g, S, n), -3e38).reshape(B, H_kv, g * S, n)
     p, bits = compiled_exp_factors(scores - scores.max(-1, keepdims=True))
     weights = p * bits.view(mx.float32)  # exp(scores - max): a masked key's 2^-126, float32's least normal
-    out = (weights @ v[:, :, None]) / weights.sum(-1, keepdims=True)  # [B, H_kv, group, S, Dv]
+    out = (weights @ v) / weights.sum(-1, keepdims=True)  # [B, H_kv, g S, Dv]
     return out.reshape(B, H, S, -1)
 
 
