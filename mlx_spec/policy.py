@@ -87,20 +87,20 @@ class Costs:
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
     borrowed: dict[int, float] = field(default_factory=dict)  # K -> the nearest batch size's T(K), when this met first
-    first: dict[int, float] = field(default_factory=dict)  # K -> its last switch round (its drafter catching up)
+    first: dict[int, deque] = field(default_factory=dict)  # K -> its last two switch rounds (its drafter catching up)
 
     def known(self) -> dict[int, tuple[float, int]]:
         """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this
         size's rounds to them at the drafting K run here (a CPU's 16 rows cost many times 2 rows'), else plain."""
-        own = {**{k: (t, 1) for k, t in self.first.items()}, **{k: (median(t), len(t)) for k, t in self.times.items()}}
+        own = {**{k: (min(t), 1) for k, t in self.first.items()},
+               **{k: (median(t), len(t)) for k, t in self.times.items()}}
         ratios = [own[k][0] / t for k, t in self.borrowed.items() if k and k in own] or [
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
         return {**{k: (t * median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
     def seconds(self, k: int, known: dict | None = None) -> float:
-        """T(K): the median of its rounds, once TRUSTED are measured; else read off the lengths `known` (K = 0:
-        plain), linearly between two, past the longest along their least-squares line (one: SLOPE plain rounds a
-        token). Before anything, in plain rounds."""
+        """T(K), in seconds (plain rounds before any is timed): the median of its rounds once TRUSTED are; else read
+        off the lengths `known` (K = 0: plain), linearly between two, past the longest along their least-squares line."""
         points = dict(known or {0: (1.0, 1), **self.known()})
         if k in points and (k == 0 or points[k][1] >= TRUSTED):
             return points[k][0]
@@ -109,8 +109,8 @@ class Costs:
         if above is not None:
             (t0, _), (t1, _) = points[below], points[above]
             line = t0 + (t1 - t0) * (k - below) / (above - below)
-        elif len(points) < 3:  # an assumed slope, unless two rounds at K went on (one may compile) or it is
-            seen = len(self.times.get(k, ())) > 1 or k in self.borrowed  # borrowed (a tree verifies its nodes, not K)
+        elif len(points) < 3:  # an assumed slope, unless two rounds at K ran (one may compile) or it is borrowed
+            seen = len(self.times.get(k, ())) + len(self.first.get(k, ())) > 1 or k in self.borrowed  # (a tree: nodes)
             line = own if seen else points[below][0] + SLOPE * points[0][0] * (k - below)
         else:  # the least-squares slope of the lengths measured, each weighed by its rounds
             line = points[below][0] + max(_slope({j: p for j, p in points.items() if j}), 0.0) * (k - below)
@@ -228,7 +228,7 @@ class Policy:
             if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)
                 extra = max(seconds - c.seconds(k), 0.0)
                 c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
-            c.first[k] = seconds  # it stands for its K until rounds that go on are timed (`known`)
+            c.first.setdefault(k, deque(maxlen=2)).append(seconds)  # they stand for K until rounds going on are timed
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
