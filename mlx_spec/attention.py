@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.cpu_exp import compiled_exp_factors
+from mlx_spec.cpu_exp import compiled_exp_factors, scaled
 from mlx_spec.tree import ancestor_matrix
 
 
@@ -54,8 +54,8 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, scale: f
     scores = (q * scale).reshape(B, H_kv, g * S, D) @ k.swapaxes(-1, -2)  # [B, H_kv, g S, n]
     if mask is not None:  # a row with no key unmasked averages the values, as MLX's SDPA does
         scores = mx.where(mask, scores.reshape(B, H_kv, g, S, n), -3e38).reshape(B, H_kv, g * S, n)
-    p, bits = compiled_exp_factors(scores - scores.max(-1, keepdims=True))
-    weights = p * bits.view(mx.float32)  # exp(scores - max): a masked key's 2^-126, float32's least normal
+    # exp(scores - max); a masked key's is 2^-126, float32's least normal
+    weights = scaled(*compiled_exp_factors(scores - scores.max(-1, keepdims=True)))
     out = (weights @ v) / weights.sum(-1, keepdims=True)  # [B, H_kv, g S, Dv]
     return out.reshape(B, H, S, -1)
 
