@@ -11,12 +11,12 @@ picks the K with the most tokens a second,
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all). T_B(K) is
-the median of the last rounds at K; a K measured less is read linearly between the lengths measured (a GPU's
-verification steps up from one token to two, then rises little; a CPU's rises, with dips where its kernels' tiles
-fall: each K that would pay is run once), and past them along their line (before two are, its own rounds that went on,
-else SLOPE plain rounds a drafted token). A batch size met first borrows the nearest one's times, scaled as its own
-rounds compare. Plain rounds are timed queued, as plain decoding goes on. The first drafting round after plain ones is
-a switch (its drafter catches up): its extra time is what probes weigh.
+the median of the last rounds at K, the least of two where two ran (one may compile); a K run less is read linearly
+between the lengths measured (a GPU's verification steps up from one token to two, then rises little; a CPU's rises,
+with dips where its kernels' tiles fall: each K that would pay is run once), and past them along their least-squares
+line (before two are, SLOPE plain rounds a drafted token). A batch size met first borrows the nearest one's times,
+scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on. The first drafting round
+after plain ones is a switch (its drafter catches up): its extra time is what probes weigh.
 
 Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a bad
 patch passes), and now and then it probes at its best drafting K, as far apart as keeps what probes are expected to
@@ -39,7 +39,7 @@ PRIOR = 0.6  # acceptance of a position nothing is known of: a drafter is tried 
 DECAY = 0.9  # a row's acceptance: weight of the past a round (its text changes within a few dozen tokens)
 POOL_DECAY = 0.99  # its drafter's, pooled over its rows and sequences: what a new row starts from
 RECENT = 8  # round times kept per K: their median is the estimate (a round spikes where a shape compiles)
-TRUSTED = 3  # rounds at a K before their median stands for it (one spike among them is outvoted)
+TRUSTED = 3  # rounds at a K before their median stands for it (one spike among them is outvoted); two: their least
 SLOPE = 0.1  # what a drafted token adds to a round, in plain rounds, until two lengths are measured
 MARGIN = 1.05  # more throughput drafting must promise to start (a switch costs; estimates are noisy)
 EXPLORE = 0.01  # share of plain decoding's time that probes may be expected to lose
@@ -53,11 +53,12 @@ class Acceptance:
     reached: list[float] = field(default_factory=list)
 
     def rates(self, k: int, prior: list[float] | None = None) -> list[float]:
-        """a_0..a_{k-1}: each position's counts against `prior` (the pool's rates), weighing one round; without
-        one, against the rate before it (the first against PRIOR): a position seldom reached is as the one before."""
+        """a_0..a_{k-1}: each position's counts against a rate weighing one round: `prior` (the pool's) drawn to the
+        row's rate a position before by the rounds that reached it (a text goes on as it began); else the one before."""
         out = []
         for i in range(k):
-            p = prior[i] if prior else (out[-1] if out else PRIOR)
+            r = self.reached[i - 1] if prior and 0 < i <= len(self.reached) else 0.0
+            p = (prior[i] + r * out[-1]) / (1 + r) if r else (prior[i] if prior else (out[-1] if out else PRIOR))
             out.append((self.accepted[i] + p) / (self.reached[i] + 1) if i < len(self.reached) else p)
         return out
 
@@ -93,25 +94,24 @@ class Costs:
         """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this
         size's rounds to them at the drafting K run here (a CPU's 16 rows cost many times 2 rows'), else plain."""
         own = {**{k: (min(t), 1) for k, t in self.first.items()},
-               **{k: (median(t), len(t)) for k, t in self.times.items()}}
+               **{k: (median(t) if len(t) >= TRUSTED else min(t), len(t)) for k, t in self.times.items()}}
         ratios = [own[k][0] / t for k, t in self.borrowed.items() if k and k in own] or [
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
         return {**{k: (t * median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
     def seconds(self, k: int, known: dict | None = None) -> float:
-        """T(K), in seconds (plain rounds before any is timed): the median of its rounds once TRUSTED are; else read
-        off the lengths `known` (K = 0: plain), linearly between two, past the longest along their least-squares line."""
+        """T(K) in seconds (plain rounds before any is timed): as its rounds say once two ran, switch rounds too (one
+        may compile); else read off the lengths `known` (K = 0: plain), linearly between two, beyond on a line."""
         points = dict(known or {0: (1.0, 1), **self.known()})
-        if k in points and (k == 0 or points[k][1] >= TRUSTED):
+        if k == 0 or len(self.times.get(k, ())) + len(self.first.get(k, ())) > 1:
             return points[k][0]
         own = points.pop(k, (float("inf"), 0))[0]  # its few rounds say where it is cheaper (a spike is dearer)
         below, above = max(j for j in points if j < k), min((j for j in points if j > k), default=None)
         if above is not None:
             (t0, _), (t1, _) = points[below], points[above]
             line = t0 + (t1 - t0) * (k - below) / (above - below)
-        elif len(points) < 3:  # an assumed slope, unless two rounds at K ran (one may compile) or it is borrowed
-            seen = len(self.times.get(k, ())) + len(self.first.get(k, ())) > 1 or k in self.borrowed  # (a tree: nodes)
-            line = own if seen else points[below][0] + SLOPE * points[0][0] * (k - below)
+        elif len(points) < 3:  # an assumed slope, unless borrowed (a tree verifies its nodes, not K)
+            line = own if k in self.borrowed else points[below][0] + SLOPE * points[0][0] * (k - below)
         else:  # the least-squares slope of the lengths measured, each weighed by its rounds
             line = points[below][0] + max(_slope({j: p for j, p in points.items() if j}), 0.0) * (k - below)
         return min(own, max(line, points[0][0]))

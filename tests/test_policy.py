@@ -6,13 +6,14 @@ timings): on an NVIDIA H200 (MLX's CUDA backend), the demo widened to 3.3B bfloa
 token to two, then flat; on a 2-core x86-64 CPU (OpenBLAS, float32), the demo widened to 0.2B, rising."""
 
 import random
+from collections import deque
 
 import pytest
 
 from mlx_spec.drafters.draft_model import DraftModel
 from mlx_spec.drafters.lookup import PromptLookup
 from mlx_spec.metrics import expected_tokens
-from mlx_spec.policy import EXPLORE, Acceptance, Policy, tokens_by_k
+from mlx_spec.policy import EXPLORE, Acceptance, Costs, Policy, tokens_by_k
 
 GPU = {1: {1: 7.0, **{s: 13.5 for s in range(2, 18)}},  # ms by tokens a row, by batch size
        16: {1: 7.5, **{s: 13.9 for s in range(2, 18)}}}
@@ -146,6 +147,32 @@ def test_dear_rounds_after_plain_ones_are_believed_once_two_are_run():
                 drafted += 1
                 policy.record(keys, [0] * 16, [0] * 16, tree[1] / 1e3)
         assert drafted <= 2, (alpha, drafted)
+
+
+def test_two_rounds_at_a_k_stand_over_the_line_between_its_neighbours():
+    """DFlash at sixteen rows of the demo, measured: plain rounds 24 ms, K=3 70 ms, K=1 61 ms. The line from plain
+    to K=3 reads K=1 at 39 ms, where its 16 rows' 1.8 tokens each would pay; two rounds at 61 ms say they do not
+    (believing the line until three had run, it drafted 4 rounds at K=1 where none paid). One round may be a
+    shape compiling: the line stands where it is cheaper."""
+    c = Costs(times={0: deque([0.024] * 8), 3: deque([0.070] * 3), 1: deque([0.061, 0.062])})
+    assert c.seconds(1) == pytest.approx(0.061)
+    c.times[1].popleft()
+    assert c.seconds(1) == pytest.approx(0.024 + (0.070 - 0.024) / 3)
+
+
+def test_a_row_whose_first_drafts_are_kept_weighs_its_second_by_them_over_the_pool():
+    """The widened demo's student on the benchmark's code prompts at T=0: the warm-up's text keeps every other draft
+    (a second position never kept), the next texts nearly all. Drafting one a round and keeping it, a row learns
+    nothing of its second position: read as the pool's, it drafted K=1 for 137 rounds (1.51x plain decoding);
+    drawn to the rate of its own first position, it drafts deeper (2.04x, the same run otherwise)."""
+    pool, row = Acceptance(), Acceptance()
+    for _ in range(30):
+        pool.update(2, 1, 0.99)  # the first kept, the second not
+    for _ in range(20):
+        row.update(1, 1, 0.9)
+    rates = row.rates(2, pool.rates(2))
+    assert rates[0] > 0.9 and rates[1] > 0.8, rates
+    assert Acceptance().rates(2, pool.rates(2))[1] < 0.1  # a row with no rounds of its own: the pool's
 
 
 def test_a_row_drafts_again_once_its_text_turns_easy():
