@@ -18,6 +18,7 @@ from mlx_spec.models import load_model
 from mlx_spec.sampling import SamplingParams, log_probs
 from mlx_spec.tokenizer import load_tokenizer
 from helpers import later_turns_are_exact
+from test_trees import no_residual
 from stats import N, STAT_PROMPT, V, empirical_tv, told_apart, exact_joint, plain_greedy, tiny, tokens_of, tv_bound
 
 GREEDY = SamplingParams()
@@ -65,6 +66,7 @@ def drafters(checkpoints, target):
         "draft-other": lambda: DraftModel(other, V),
         "draft-padded": lambda: DraftModel(tiny(5, V + 64), V),
         "draft-narrow": lambda: DraftModel(tiny(6, V - 10), V),
+        "draft-tree": lambda: DraftModel(other, V, budget=7, topk=3),  # EAGLE-2's dynamic tree, grown by it
     }
 
 
@@ -81,7 +83,8 @@ def greedy(target):
     return plain_greedy(target, PROMPTS, 33)
 
 
-@pytest.mark.parametrize("kind", ["lookup", "suffix", "draft-same", "draft-other", "draft-padded", "draft-narrow"])
+@pytest.mark.parametrize("kind", ["lookup", "suffix", "draft-same", "draft-other", "draft-padded", "draft-narrow",
+                                  "draft-tree"])
 def test_greedy_is_token_identical_to_plain(target, drafters, greedy, kind):
     for prompt, max_tokens, k in itertools.product(PROMPTS, (1, 2, 7, 33), (None, 1, 3, 8)):
         plain = greedy(prompt, max_tokens)
@@ -196,16 +199,20 @@ def stat_models():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=1.0, top_p=0.8)], ids=["t1", "top_p"])
-@pytest.mark.parametrize("kind", ["draft", "lookup"])
+@pytest.mark.parametrize("kind", ["draft", "draft-tree", "lookup"])
 def test_sampling_matches_target_distribution(stat_models, kind, params, monkeypatch):
     target, draft = stat_models
-    make = (lambda: DraftModel(draft, V)) if kind == "draft" else (lambda: PromptLookup(1, 3))
+    make = {"draft": lambda: DraftModel(draft, V), "draft-tree": lambda: DraftModel(draft, V, budget=5, topk=2),
+            "lookup": lambda: PromptLookup(1, 3)}[kind]
     p = exact_joint(target, STAT_PROMPT, params, 3)
     bound = tv_bound(p, N)
     assert empirical_tv(target, make, params, p) < bound
     if params.top_p == 1.0:
         # The test has teeth: the same check fails for a wrong acceptance rule.
-        monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)
+        if kind == "draft-tree":
+            monkeypatch.setattr(sampling, "accept_tree_sampled", no_residual)
+        else:
+            monkeypatch.setattr(sampling, "accept_sampled", resample_from_target)
         assert told_apart(target, make, params, p)
 
 

@@ -237,9 +237,10 @@ class SampledTree(HostDrafter):
 
 def no_residual(q, u, tokens, parents, draft_log_probs, rng=np.random.default_rng(0)):
     """A wrong rule: after a rejected sibling, test the next ones and draw the
-    token against q itself instead of the residual max(0, q - p)."""
+    token against q itself instead of the residual max(0, q - p) (p one-hot
+    for a deterministic tree)."""
     q = q.astype(np.float64)
-    p = np.exp(draft_log_probs.astype(np.float64))
+    p = np.exp(draft_log_probs.astype(np.float64)) if draft_log_probs is not None else np.eye(q.shape[1])[tokens]
     kids = tree.children(parents)
     path, node = [], -1
     while True:

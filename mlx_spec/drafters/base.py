@@ -420,3 +420,67 @@ def depth_tree(logits: mx.array, k: int, paths: list[list[int]] | None = None, b
     parents, depth, rank = tree.from_paths(paths)
     tokens = candidates[mx.array(depth) - 1, mx.array(rank)].astype(mx.int32)  # [N]
     return Draft(tokens, None, parents)
+
+
+def grow_tree(logits: mx.array, ks: list[int], base: list[int], lengths: Callable[[], list[int]],
+              step: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], mx.array], budget: int, topk: int = 8,
+              depth: int = 6) -> list[Draft]:
+    """EAGLE-2's dynamic tree, grown in a drafter's own cache: from each row's root distribution `logits`
+    `[B, 1, V]` (its last context token's), each depth expands the `topk` most confident new nodes by cumulative
+    log-probability, and the best `budget` nodes are kept, at most min(ks[b], depth) deep. Row b's context is its
+    cache's first `base[b]` slots, the root at position base[b] - 1; `lengths()`: the cache's rows' lengths now.
+    `step(ids, positions, mask, parent_rows)` runs a depth's frontier `[B, F]` into the cache (each node at its
+    position, seeing what `mask` `[B, 1, F, max(lengths) + F]` says: the context, its ancestors' slots, itself;
+    `parent_rows`: its parent's row in the last step) -> logits `[B, F, V]`. Every row's frontier runs in one
+    forward (a row whose tree is done, or that drafts nothing, runs padding)."""
+    B, F = len(ks), topk
+    depth_max = [min(k, depth) for k in ks]
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    parents: list[list[int]] = [[] for _ in range(B)]
+    scores: list[list[float]] = [[] for _ in range(B)]  # cumulative log-probabilities
+    slot_of: list[dict[int, int]] = [{} for _ in range(B)]  # node -> its slot in the cache, once run
+    frontier = [[-1] if d else [] for d in depth_max]
+    parent_rows = np.zeros((B, F), dtype=np.int32)
+    for level in range(1, max(depth_max) + 1):
+        if level > 1:
+            cached = lengths()
+            mask = np.zeros((B, 1, F, max(cached) + F), dtype=bool)
+            ids = np.zeros((B, F), dtype=np.int32)
+            positions = np.zeros((B, F), dtype=np.int32)
+            for b in range(B):
+                mask[b, 0, np.arange(F), cached[b] + np.arange(F)] = True  # itself (padding too)
+                for row, node in enumerate(frontier[b]):
+                    mask[b, 0, row, : base[b]] = True
+                    for a in tree.path_to(parents[b], node)[:-1]:
+                        mask[b, 0, row, slot_of[b][a]] = True
+                    slot_of[b][node] = cached[b] + row
+                    ids[b, row] = tokens[b][node]
+                    positions[b, row] = base[b] - 1 + level - 1
+            logits = step(ids, positions, mask, parent_rows)  # [B, F, V]
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top = mx.argsort(-lp, axis=-1)[..., :topk]
+        top_lp = mx.take_along_axis(lp, top, axis=-1)
+        top, top_lp = np.array(top), np.array(top_lp)
+        parent_rows = np.zeros((B, F), dtype=np.int32)
+        for b in range(B):
+            children = []
+            for row, node in enumerate(frontier[b]):
+                base_score = scores[b][node] if node >= 0 else 0.0
+                for j in range(top.shape[2]):
+                    tokens[b].append(int(top[b, row, j]))
+                    parents[b].append(node)
+                    scores[b].append(base_score + float(top_lp[b, row, j]))
+                    children.append((len(tokens[b]) - 1, row))
+            # The next frontier: the row's most confident new nodes, fed their parents' states.
+            best = sorted(children, key=lambda c: -scores[b][c[0]])[:F] if level < depth_max[b] else []
+            frontier[b] = [n for n, _ in best]
+            parent_rows[b, : len(best)] = [row for _, row in best]
+    drafts = []
+    for b in range(B):
+        if ks[b] == 0:
+            drafts.append(EMPTY())
+            continue
+        keep = tree.top_nodes(parents[b], scores[b], budget)
+        drafts.append(Draft(mx.array([tokens[b][i] for i in keep], dtype=mx.int32), None,
+                            tree.subtree(parents[b], keep)))
+    return drafts

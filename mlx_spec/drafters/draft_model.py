@@ -2,7 +2,10 @@
 
 Its K steps are built as one lazy graph (each step's token feeds the next as an
 array, never through Python), so drafting costs one evaluation. Its KV cache
-keeps the longest prefix that is still valid after each verification.
+keeps the longest prefix that is still valid after each verification. With a
+tree budget it drafts EAGLE-2's dynamic tree instead: a forward of it a depth,
+over the most confident nodes so far (a draft model's second choice is often
+the target's first: the tree keeps both for a verification's width).
 
 PARD (AMD, `amd/PARD-*`): a draft model trained to fill K positions at once.
 It reads the new tokens followed by K-1 copies of its `pard_token` in one
@@ -27,7 +30,7 @@ import numpy as np
 
 from mlx_spec.cache import TAPE_MAX, RecurrentCache, cut_cache
 from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates,
-                                    common_prefix, draw_rows, padded_length)
+                                    common_prefix, draw_rows, grow_tree, padded_length)
 from mlx_spec.errors import UserError
 from mlx_spec.models.llama import Model
 from mlx_spec.sampling import SamplingParams
@@ -37,11 +40,13 @@ class DraftModel(RowStates):
     kind = "draft"
     costly = True
 
-    def __init__(self, model: Model, target_vocab: int, path: Path | None = None):
+    def __init__(self, model: Model, target_vocab: int, path: Path | None = None, budget: int | None = None,
+                 topk: int = 8, depth: int = 6):
         super().__init__()
         self.model = model
         self.vocab = target_vocab
         self.path = path  # where the model was loaded from
+        self.budget, self.topk, self.depth = budget, topk, depth  # a tree's (`grow_tree`); None: a chain
         self.cache = model.make_cache(rows=0)
 
     @property
@@ -54,7 +59,7 @@ class DraftModel(RowStates):
         return {"cached": [], "base": 0, "drafted": 0}
 
     def _session(self) -> DraftModel:
-        return DraftModel(self.model, self.vocab, self.path)
+        return DraftModel(self.model, self.vocab, self.path, self.budget, self.topk, self.depth)
 
     def _keep(self, b: int, n: int) -> None:
         cut_cache(self.cache, b, n)
@@ -128,6 +133,8 @@ class DraftModel(RowStates):
         logits, n = self._read([c[len(held):] for c, held in zip(contexts, self.cached)])
         last = logits[mx.arange(len(n)), mx.array(n) - 1]  # [B, V]: each row's last real token
         self.base = [len(c) for c in contexts]
+        if self.budget is not None:
+            return self._tree(self._to_target_vocab(last), ks)
         # K steps, each token feeding the next as an array: one evaluation for all.
         tokens, dists = [], []
         for i in range(K):
@@ -141,6 +148,21 @@ class DraftModel(RowStates):
         # the target keeps join `cached` at the commit.
         self.drafted = [K - 1] * len(ks)
         return Draft.steps(tokens, dists, ks)
+
+    def _tree(self, last: mx.array, ks: list[int]) -> list[Draft]:
+        """`grow_tree` from each row's root distribution `last` `[B, V]`: a depth's nodes at their own positions,
+        each seeing its context and ancestors; the tree's slots leave the cache after (the kept nodes are read
+        as the next round's new tokens)."""
+        def step(ids, positions, mask, parent_rows):
+            logits, _ = self.model(mx.array(ids), self.cache, positions=mx.array(positions), mask=mx.array(mask))
+            return self._to_target_vocab(logits)  # [B, F, V]
+
+        drafts = grow_tree(last[:, None], ks, list(self.base), lambda: list(self.cache[0].lengths), step,
+                           self.budget, self.topk, self.depth)
+        for b, held in enumerate(self.cached):
+            self._keep(b, len(held))
+        self.drafted = [0] * len(ks)
+        return drafts
 
 
 class Pard(DraftModel):
@@ -292,10 +314,14 @@ def build(target: Model, o: Options) -> DraftModel:
         check_same_vocab(load_tokenizer(Path(path)), o.tokenizer, f"--drafter {o.spec}", "the target")
     config = read_json(Path(path) / "config.json")
     token = config.get("pard_token")
+    if o.tree_budget is not None and (token is not None or not isinstance(model, Model)
+                                      or any(isinstance(c, RecurrentCache) for c in model.make_cache())):
+        raise UserError(f"--tree-budget: the draft model {path} cannot draft a tree (a PARD model drafts its K in one "
+                        "forward; a linear-attention layer's state has no branches)")
     if token is None:
         if o.spec.startswith("pard"):
             raise UserError(f"--drafter {o.spec}: {Path(path) / 'config.json'} names no pard_token (not a PARD model)")
-        return DraftModel(model, target.args.vocab_size, Path(path))
+        return DraftModel(model, target.args.vocab_size, Path(path), o.tree_budget, o.topk, o.depth)
     if not isinstance(token, int) or not 0 <= token < model.args.vocab_size:
         raise UserError(f"{Path(path) / 'config.json'}: pard_token must be a token id below {model.args.vocab_size}, "
                         f"got {token!r}")
@@ -340,7 +366,7 @@ PUBLISHED_PARD = {
     "meta-llama/Llama-3.3-70B-Instruct": ("amd/PARD-Llama-3.2-1B",),
 }
 KINDS = (Kind("draft", "a smaller model with the same tokenizer (trained with mlx-spec distill; a PARD model "
-              "drafts as one)", build, convert=CONVERT),
+              "drafts as one)", build, takes=("tree_budget",), convert=CONVERT),
          Kind("pard", "a PARD or PARD-2 draft model (AMD's, as published): K drafts in one forward of it", build,
               source="optional", alone="the one published for --model", convert=CONVERT, published=PUBLISHED_PARD,
               train=TRAIN))

@@ -33,12 +33,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from mlx_spec import tree
 from mlx_spec.cache import KVCache
 from mlx_spec.drafters.base import (EMPTY, READ_MAX, Conversion, Draft, Kind, Options, Recipe, RowStates, common_prefix,
-                                    draw_rows, joined, padded, padded_length, spread)
+                                    draw_rows, grow_tree, joined, padded, padded_length, spread)
 from mlx_spec.errors import UserError
 from mlx_spec.files import write_model_files
 from mlx_spec.models.config import ARCHITECTURES, ModelArgs, parse_config
@@ -345,66 +343,17 @@ class Eagle(RowStates):
         return Draft.steps(drafted, dists, ks)
 
     def _tree(self, ahead: mx.array, ks: list[int]) -> list[Draft]:
-        """EAGLE-2: grow by cumulative confidence, then keep the best `budget` nodes.
-        Each row grows its own tree; a depth's frontier nodes of all rows run in one
-        forward (a row whose tree is done, or that drafts nothing, runs padding)."""
-        B, F = len(ks), self.topk
-        depth_max = [min(k, self.depth) for k in ks]
-        base = list(self.committed)  # each row's first tree slot
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        parents: list[list[int]] = [[] for _ in range(B)]
-        scores: list[list[float]] = [[] for _ in range(B)]  # cumulative log-probabilities
-        slot_of: list[dict[int, int]] = [{} for _ in range(B)]  # node -> its slot in the cache, once run
-        frontier = [[-1] if d else [] for d in depth_max]
+        """EAGLE-2 (`grow_tree`): a node's step reads its parent's output state and its own token."""
         states = ahead[:, None]  # [B, 1, H]: the frontier's output states
-        cache = self.cache[0]
-        for depth in range(1, max(depth_max) + 1):
-            if depth > 1:
-                cached = list(cache.lengths)
-                mask = np.zeros((B, 1, F, max(cached) + F), dtype=bool)
-                ids = np.zeros((B, F), dtype=np.int32)
-                positions = np.zeros((B, F), dtype=np.int32)
-                for b in range(B):
-                    mask[b, 0, np.arange(F), cached[b] + np.arange(F)] = True  # itself (padding too)
-                    for row, node in enumerate(frontier[b]):
-                        mask[b, 0, row, : base[b]] = True
-                        for a in tree.path_to(parents[b], node)[:-1]:
-                            mask[b, 0, row, slot_of[b][a]] = True
-                        slot_of[b][node] = cached[b] + row
-                        ids[b, row] = tokens[b][node]
-                        positions[b, row] = base[b] - 1 + depth - 1
-                states = self._step(self.net.next_feature(previous), mx.array(ids), mx.array(positions),
-                                    mx.array(mask))  # [B, F, H]
-            logits = self.net.logits(states, self.target)  # [B, F, V]
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            top = mx.argsort(-lp, axis=-1)[..., : self.topk]
-            top_lp = mx.take_along_axis(lp, top, axis=-1)
-            top, top_lp = np.array(top), np.array(top_lp)
-            parent_rows = np.zeros((B, F), dtype=np.int32)
-            for b in range(B):
-                children = []
-                for row, node in enumerate(frontier[b]):
-                    base_score = scores[b][node] if node >= 0 else 0.0
-                    for j in range(top.shape[2]):
-                        tokens[b].append(int(top[b, row, j]))
-                        parents[b].append(node)
-                        scores[b].append(base_score + float(top_lp[b, row, j]))
-                        children.append((len(tokens[b]) - 1, row))
-                # The next frontier: the row's most confident new nodes, fed their parents' states.
-                best = sorted(children, key=lambda c: -scores[b][c[0]])[:F] if depth < depth_max[b] else []
-                frontier[b] = [n for n, _ in best]
-                parent_rows[b, : len(best)] = [row for _, row in best]
-            previous = mx.take_along_axis(states, mx.array(parent_rows)[..., None], axis=1)  # [B, F, H]
-        drafts = []
-        for b in range(B):
-            if ks[b] == 0:
-                drafts.append(EMPTY())
-                continue
-            keep = tree.top_nodes(parents[b], scores[b], self.budget)
-            drafts.append(Draft(mx.array([tokens[b][i] for i in keep], dtype=mx.int32), None,
-                                tree.subtree(parents[b], keep)))
-        return drafts
 
+        def step(ids, positions, mask, parent_rows):
+            nonlocal states
+            previous = mx.take_along_axis(states, mx.array(parent_rows)[..., None], axis=1)  # [B, F, H]
+            states = self._step(self.net.next_feature(previous), mx.array(ids), mx.array(positions), mx.array(mask))
+            return self.net.logits(states, self.target)
+
+        return grow_tree(self.net.logits(states, self.target), ks, list(self.committed),
+                         lambda: list(self.cache[0].lengths), step, self.budget, self.topk, self.depth)
 
 def build(version: int, target: Model, o: Options) -> Eagle:
     net, _, _ = load_eagle(o.source, o.revision)
