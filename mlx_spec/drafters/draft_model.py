@@ -47,6 +47,8 @@ class DraftModel(RowStates):
         self.vocab = target_vocab
         self.path = path  # where the model was loaded from
         self.budget, self.topk, self.depth = budget, topk, depth  # a tree's (`grow_tree`); None: a chain
+        if budget is not None:
+            self.k_max = min(self.k_max, depth)  # a deeper K drafts no more
         self.cache = model.make_cache(rows=0)
 
     @property

@@ -254,6 +254,8 @@ class Eagle(RowStates):
         super().__init__()
         self.net, self.target = net, target
         self.budget, self.topk, self.depth = budget, topk, depth
+        if budget is not None:
+            self.k_max = min(self.k_max, depth)  # a tree grows `depth` deep at most: a deeper K drafts no more
         self.kind = f"eagle{'3' if net.version == 3 else ''}"
         L = target.args.num_hidden_layers
         self.capture = (L,) if net.version == 1 else tuple(net.taps or default_layers(L))

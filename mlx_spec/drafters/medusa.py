@@ -129,6 +129,7 @@ class Medusa(RowStates):
         self.heads, self.target, self.chain = heads, target, chain
         self.paths = [list(p) for p in (tree.MC_SIM_7B_63 if paths is None and budget is None else paths or [])]
         self.budget = budget
+        self.k_max = len(heads.heads)  # a head a depth: a deeper K drafts no more
         self.capture = (target.args.num_hidden_layers,)
         # per row: [H] at its last committed token, before the final norm (None until the prompt's come)
 

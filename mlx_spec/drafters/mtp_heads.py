@@ -80,6 +80,7 @@ class MTPHeadsDrafter(RowStates):
 
     def __init__(self, heads: MTPHeads, target: Model, budget: int | None = None):
         self.heads, self.target, self.budget = heads, target, budget
+        self.k_max = len(heads.heads)  # a head a position: a deeper K drafts no more
         super().__init__()
         self.capture = (target.args.num_hidden_layers,)
         self.caches = [KVCache(rows=0) for _ in heads.heads]
