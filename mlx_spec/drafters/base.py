@@ -425,14 +425,12 @@ def depth_tree(logits: mx.array, k: int, paths: list[list[int]] | None = None, b
 def grow_tree(logits: mx.array, ks: list[int], base: list[int], lengths: Callable[[], list[int]],
               step: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], mx.array], budget: int, topk: int = 8,
               depth: int = 6) -> list[Draft]:
-    """EAGLE-2's dynamic tree, grown in a drafter's own cache: from each row's root distribution `logits`
-    `[B, 1, V]` (its last context token's), each depth expands the `topk` most confident new nodes by cumulative
-    log-probability, and the best `budget` nodes are kept, at most min(ks[b], depth) deep. Row b's context is its
-    cache's first `base[b]` slots, the root at position base[b] - 1; `lengths()`: the cache's rows' lengths now.
-    `step(ids, positions, mask, parent_rows)` runs a depth's frontier `[B, F]` into the cache (each node at its
-    position, seeing what `mask` `[B, 1, F, max(lengths) + F]` says: the context, its ancestors' slots, itself;
-    `parent_rows`: its parent's row in the last step) -> logits `[B, F, V]`. Every row's frontier runs in one
-    forward (a row whose tree is done, or that drafts nothing, runs padding)."""
+    """EAGLE-2's dynamic tree in a drafter's cache: from each row's root distribution `logits` `[B, 1, V]`, each
+    depth expands the `topk` new nodes of most cumulative log-probability; the best `budget` are kept, at most
+    min(ks[b], depth) deep. Row b's context: its cache's first `base[b]` slots (`lengths()`: its rows' lengths now).
+    `step(ids, positions, mask, parent_rows)` runs all rows' frontiers `[B, F]` into the cache in one forward (a row
+    done or drafting nothing runs padding), node i seeing as `mask` `[B, 1, F, max(lengths) + F]` says (context,
+    ancestors, itself), its parent at `parent_rows` in the last step's output -> logits `[B, F, V]`."""
     B, F = len(ks), topk
     depth_max = [min(k, depth) for k in ks]
     tokens: list[list[int]] = [[] for _ in range(B)]
