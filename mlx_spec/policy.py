@@ -199,8 +199,9 @@ class Policy:
         best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
             return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
-        # A probe loses its round's time beyond its tokens, and the switch: probes lose EXPLORE, a dear one seldom.
-        loss = max(seconds[best] + (c.switch or 0.0) - tokens[best] / tokens[0] * seconds[0], 0.0)
+        # A probe loses its round's time and the switch beyond its tokens (as its K's rounds read, where dearer: one
+        dear = max(seconds[best] + (c.switch or 0.0), known.get(best, (0.0, 0))[0])  # may have compiled, probes wait)
+        loss = max(dear - tokens[best] / tokens[0] * seconds[0], 0.0)  # probes lose EXPLORE, a dear one seldom
         every = max(1, round(loss / (EXPLORE * seconds[0])))
         if c.plain_rounds >= every:
             return Decision(best, f"a probe, every {every} plain rounds", best, tokens, seconds)
@@ -221,8 +222,7 @@ class Policy:
                odds: dict | None = None) -> None:
         """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all of it);
         `steady`: a plain round costing what plain decoding does; `odds`: row -> the odds of its drafter's guess."""
-        c = self._costs(len(keys))
-        k, self.decided = max(ks), None
+        c, k, self.decided = self._costs(len(keys)), max(ks), None
         seconds = distributed.rank0_times(seconds)  # the same choices on every rank
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time, once
             if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)

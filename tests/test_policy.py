@@ -149,6 +149,20 @@ def test_dear_rounds_after_plain_ones_are_believed_once_two_are_run():
         assert drafted <= 2, (alpha, drafted)
 
 
+def test_a_dear_round_run_once_spaces_the_probes_by_what_it_cost():
+    """EAGLE-3's 16-node tree at sixteen rows of the demo, measured: plain rounds 17 ms, a tree round 228-390 ms. Run
+    once (the benchmark's warm-up), its K reads off the assumed line (one round may be a shape compiling), where
+    drafting pays too little to start; a probe weighed at that line came every 63 plain rounds, and one cost a
+    96-round run a fifth of its time (0.81x plain decoding). Weighed at what its one round cost, none comes."""
+    tree = {1: 17.0, **{s: 309.0 for s in range(2, 18)}}
+    policy = Policy()
+    simulate(tree, 0.3, 0.0, rows=16, rounds=1, policy=policy)  # the first round drafts on what is assumed
+    simulate(tree, 0.3, 0.0, rows=16, rounds=2, policy=policy)  # the plain rounds it is weighed against
+    assert "does not pay" in policy.last.reason and policy.last.seconds[policy.last.weighed] < 0.1
+    _, drafted, _ = simulate(tree, 0.3, 0.0, rows=16, rounds=200, policy=policy)
+    assert drafted == 0
+
+
 def test_two_rounds_at_a_k_stand_over_the_line_between_its_neighbours():
     """DFlash at sixteen rows of the demo, measured: plain rounds 24 ms, K=3 70 ms, K=1 61 ms. The line from plain
     to K=3 reads K=1 at 39 ms, where its 16 rows' 1.8 tokens each would pay; two rounds at 61 ms say they do not

@@ -73,16 +73,16 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
         methods = {name: d for name, d in {PLAIN: None, CONTROL: None, **drafters}.items()
                    if d is None or not d.one_row or B == 1}
         decoders = [Decoder(model, num_draft=fixed.get(name), width=width) for name in methods]
-        # a warm-up (B prompts cut short, a few tokens: it compiles B's shapes and times B's rounds), then the run
-        for sequences, tokens, cut in ((B, 8, 8), (max(len(prompts), B), n, None)):
+        # a warm-up (B prompts, a few tokens each: it compiles B's shapes and times B's rounds at the run's contexts,
+        # what every K is weighed against while drafting pays), then the run
+        for sequences, tokens in ((B, 8), (max(len(prompts), B), n)):
             # a session a method and run (suffix decoding would otherwise recall the warm-up's answers)
             sessions = [d.new_session() if d is not None else None for d in methods.values()]
             started = [0] * len(methods)
 
             def feed(i: int) -> bool:
                 while len(decoders[i].rows) < B and started[i] < sequences:
-                    prompt = prompts[started[i] % len(prompts)][:cut]
-                    decoders[i].add(started[i], prompt, params, tokens, sessions[i])
+                    decoders[i].add(started[i], prompts[started[i] % len(prompts)], params, tokens, sessions[i])
                     started[i] += 1
                 return len(decoders[i].rows) == B
 
