@@ -311,8 +311,10 @@ class DFlash(RowStates):
         return DFlash(self.net, self.target, self.budget, self.block_size)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
-        # Position j's keys and values came from the target's features at j: they
-        # stand while the tokens up to j do.
+        # Position j's keys and values came from the target's features at j: they stand while the tokens up
+        # to j do. Features that came while the rows decoded plainly are read first (else the target reads
+        # those tokens again).
+        self.catch_up(self.context)
         keep = min(self.cache[0].lengths[b], common_prefix(self.context[b], prompt), cached)
         cut_cache(self.cache, b, keep)
         self.pending[b] = []

@@ -270,7 +270,9 @@ class Eagle(RowStates):
         return Eagle(self.net, self.target, self.budget, self.topk, self.depth)
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
-        # Slot j read token j's features and token j + 1: it stands while both do.
+        # Slot j read token j's features and token j + 1: it stands while both do. Features that came while the
+        # rows decoded plainly are read first (else the target would read those tokens again).
+        self._extend(self.context)
         keep = max(0, min(self.committed[b], common_prefix(self.context[b], prompt) - 1, cached))
         self.cache[0].cut(b, keep)
         self.committed[b], self.pending[b], self.ahead[b] = keep, [], None
