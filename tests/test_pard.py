@@ -146,6 +146,9 @@ def test_published_and_refused(folders, in_process, checkpoints):
     finally:
         (pard / "config.json").write_text(json.dumps(config))
     assert_one_line_error(bad, "config.json", "pard_token")
+    # A PARD model drafts its K in one forward: a tree of it is refused (the draft model's trees are EAGLE-2's).
+    tree = in_process("generate", "--model", target, "--drafter", f"draft={pard}", "--tree-budget", "6", "--prompt", "x")
+    assert_one_line_error(tree, "--tree-budget", "PARD")
 
 
 def test_copies_mask_is_amds():
