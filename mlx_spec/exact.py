@@ -11,11 +11,13 @@ Attention is the other place where a token's result depends on the forward aroun
 softmax over a key length that changes with the forward's start sums in another order, and a
 product over many queries tiles them (a query's bits then depend on where it sits). Here
 attention reads whole blocks of BLOCK keys (those a query may not see masked: exact zeros) and
-gives each query matrix-vector products of its own, which sum key after key within a block,
-block after block: a key adds its term in the same place whatever the key length, and in a
-tree whatever slot a node's ancestors sit in, so long as each stays in the block its position
-has (`fits`). A batch's rows run one forward each (`decoding.Decoder`): how a kernel tiles the
-rows of a matrix product depends on how many there are.
+gives each query matrix-vector products of its own, summed block after block: a key adds its
+term in the same place whatever the key length. In a tree each query reads its ancestors' keys
+and values where its own decoding would hold them (its ancestor at depth d in the slot after
+the pending token's d - 1, `ExactMask.order`): a kernel that sums a block with several
+accumulators (AVX-512's) adds a key's term to the one its slot falls to. A batch's rows run one
+forward each (`decoding.Decoder`): how a kernel tiles the rows of a matrix product depends on
+how many there are.
 
 Whether a backend's kernels keep rows apart at width W is measured, not assumed: `probe`
 decodes a few tokens one W-wide forward at a time and checks the logits bit for bit against
@@ -31,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import tree
-from mlx_spec.attention import scaled_dot_product_attention
+from mlx_spec.attention import TreeMask, scaled_dot_product_attention
 from mlx_spec.cache import STEP, trim_cache
 from mlx_spec.errors import UserError
 
@@ -47,16 +49,34 @@ def blocks(n: int) -> int:
 
 @dataclass(frozen=True)
 class ExactMask:
-    """Which keys each query sees, `[B, 1, S, L]` bool, L whole blocks of the cache's buffer."""
+    """Which keys each query sees, `[B, 1, S, L]` bool, L whole blocks of the cache's buffer; for a tree, the
+    slots from `tail` on (the blocks its nodes sit in) in the order each query reads them, `[S, L - tail]`."""
 
     allowed: mx.array
+    order: mx.array | None = None
+    tail: int = 0
 
     @classmethod
-    def of(cls, mask: mx.array) -> "ExactMask":
-        """From a boolean mask `[..., S, n]` over the first n keys: padded to whole blocks with False."""
+    def of(cls, mask: mx.array, tree: TreeMask | None = None) -> "ExactMask":
+        """From a boolean mask `[..., S, n]` over the first n keys: padded to whole blocks with False; with
+        the `tree` it is (B = 1), each query's keys ordered as a chain of its ancestors would hold them."""
         n = mask.shape[-1]
         pad = [(0, 0)] * (mask.ndim - 1) + [(0, blocks(n) - n)]
-        return cls(mx.pad(mask, pad, constant_values=False))
+        allowed = mx.pad(mask, pad, constant_values=False)
+        if tree is None:
+            return cls(allowed)
+        tail = tree.cached // BLOCK * BLOCK
+        return cls(allowed, mx.array(chain_order(tree.parents, tree.cached - tail, blocks(n) - tail)), tail)
+
+
+def chain_order(parents: Sequence[int], start: int, T: int) -> np.ndarray:
+    """`[S, T]` int32: for each node of a tree (`parents`, the pending token first, in slot `start` of T), the
+    slots it reads in the order its decoding as a chain holds them: those before `start`, its ancestors and
+    itself (the one at depth d in slot start + d), then those it does not see."""
+    seen = np.zeros((len(parents), T), bool)
+    seen[:, :start] = True
+    seen[:, start : start + len(parents)] = tree.ancestor_matrix(parents)
+    return np.argsort(~seen, axis=1, kind="stable").astype(np.int32)
 
 
 def products(q: mx.array, k: mx.array, L: int) -> mx.array:
@@ -90,11 +110,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: ExactMask, scale: flo
         sink = mx.repeat(sinks.astype(scores.dtype).reshape(1, Hkv, g, 1), S, axis=2).reshape(1, Hkv, g * S, 1)
         top = mx.maximum(top, sink)
     e = mx.exp(scores - top)  # masked: exactly 0
-    e = e.reshape(B, Hkv, g * S, n, 1, BLOCK).swapaxes(2, 3)  # [B, Hkv, n, g S, 1, BLOCK]
     # The softmax's denominator as a column of the same product: both sum key after key.
     Dv = v.shape[-1]  # (a latent attention's values are narrower than its keys)
-    v1 = mx.concatenate([v, mx.ones((B, Hkv, L, 1), v.dtype)], axis=-1).reshape(B, Hkv, n, 1, BLOCK, Dv + 1)
-    parts = (e @ v1)[..., 0, :]  # [B, Hkv, n, g S, Dv + 1]
+    v1 = mx.concatenate([v, mx.ones((B, Hkv, L, 1), v.dtype)], axis=-1)  # [B, Hkv, L, Dv + 1]
+    parts = _blocks(e, v1, mask, g, S)  # [B, Hkv, n, g S, Dv + 1]
     total = parts[:, :, 0]
     for i in range(1, n):  # block after block, in order: a block of zeros adds nothing
         total = total + parts[:, :, i]
@@ -103,8 +122,27 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: ExactMask, scale: flo
     return out.reshape(B, H, S, Dv)
 
 
-# Whether the forward being run verifies exactly (set around a forward of a target on mlx-lm's modules).
-EXACTLY: contextvars.ContextVar[bool] = contextvars.ContextVar("exactly", default=False)
+def _blocks(e: mx.array, v1: mx.array, mask: ExactMask, g: int, S: int) -> mx.array:
+    """Each query's weights `e` `[B, Hkv, g S, L]` times the values `v1` `[B, Hkv, L, Dv + 1]`, a block of keys
+    at a time -> `[B, Hkv, L / BLOCK, g S, Dv + 1]`; a tree's queries each read the blocks from `mask.tail` on
+    as `mask.order` says (a gather of their weights and of the values, a query at a time)."""
+    B, Hkv, _, L = e.shape
+    t = mask.tail if mask.order is not None else L
+    e_own = e[..., :t].reshape(B, Hkv, g * S, t // BLOCK, 1, BLOCK).swapaxes(2, 3)  # [B, Hkv, t / BLOCK, g S, 1, BLOCK]
+    parts = [(e_own @ v1[:, :, :t].reshape(B, Hkv, t // BLOCK, 1, BLOCK, -1))[..., 0, :]] if t else []
+    if t < L:
+        n = (L - t) // BLOCK
+        order = mx.broadcast_to(mask.order, (B, Hkv, g, S, L - t))
+        e_read = mx.take_along_axis(e[..., t:].reshape(B, Hkv, g, S, L - t), order, axis=-1)
+        v_read = mx.take(v1[:, :, t:], mask.order, axis=2)  # [B, Hkv, S, L - t, Dv + 1]
+        read = (e_read.reshape(B, Hkv, g, S, n, 1, BLOCK) @ v_read.reshape(B, Hkv, 1, S, n, BLOCK, -1))[..., 0, :]
+        parts.append(read.reshape(B, Hkv, g * S, n, -1).swapaxes(2, 3))  # [B, Hkv, n, g S, Dv + 1]
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+
+
+# Whether the forward being run verifies exactly (set around a forward of a target on mlx-lm's modules): the
+# tree it verifies, or True.
+EXACTLY: contextvars.ContextVar[bool | TreeMask] = contextvars.ContextVar("exactly", default=False)
 
 
 def over_keys(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, sinks: mx.array | None = None,
@@ -117,7 +155,8 @@ def over_keys(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     if mask.dtype != mx.bool_:
         raise UserError("--exact: this target's attention adds a mask of scores; exact verification needs a "
                         "boolean one")
-    mask = ExactMask.of(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    tree = EXACTLY.get()
+    mask = ExactMask.of(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), tree if isinstance(tree, TreeMask) else None)
     pad = [(0, 0), (0, 0), (0, mask.allowed.shape[-1] - n), (0, 0)]
     return attention(queries, mx.pad(keys, pad), mx.pad(values, pad), mask, scale, sinks, softcap)
 

@@ -59,21 +59,25 @@ def test_doctor_reports_backend_and_blas():
     if sys.platform.startswith("linux"):
         assert "blas      OpenBLAS" in out.stdout  # .ci/run installs libopenblas0-pthread
         from mlx_spec import _blas
-        if _blas.kernels():  # chosen by the CPU's features; a user's OPENBLAS_CORETYPE stands
-            assert "Haswell kernels)" in out.stdout
-            assert "SkylakeX kernels)" in run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "",
-                                                             "OPENBLAS_CORETYPE": "SkylakeX"}).stdout
+        if chosen := _blas.kernels():  # chosen by the CPU's features; a user's OPENBLAS_CORETYPE stands
+            assert f"{chosen} kernels)" in out.stdout
+            assert "Prescott kernels)" in run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "",
+                                                             "OPENBLAS_CORETYPE": "Prescott"}).stdout
         off = run("doctor", env={"MLX_SPEC_NO_OPENBLAS": "1"})
         assert "reference BLAS" in off.stdout and "MLX_SPEC_NO_OPENBLAS" in off.stdout
         assert "threads   left to the scheduler (disabled by MLX_SPEC_NO_OPENBLAS)" in off.stdout
 
 
 def test_openblas_kernels_follow_the_cpus_features(tmp_path):
-    """AVX2 and FMA: Haswell's kernels (OpenBLAS gives a CPU it does not know its SSE3 ones); else its own."""
+    """AVX-512: SkylakeX's kernels; AVX2 and FMA: Haswell's (OpenBLAS gives a CPU it does not know its SSE3
+    ones); else its own."""
     from mlx_spec import _blas
 
     cpu = tmp_path / "cpuinfo"
-    cpu.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\nprocessor\t: 1\n")
+    avx512 = "avx512f avx512cd avx512bw avx512dq avx512vl"
+    cpu.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma {avx512}\n\nprocessor\t: 1\n")
+    assert _blas.kernels(str(cpu)) == "SkylakeX"
+    cpu.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")  # AVX-512 in part
     assert _blas.kernels(str(cpu)) == "Haswell"
     cpu.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx\n")
     assert _blas.kernels(str(cpu)) is None

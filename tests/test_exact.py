@@ -15,6 +15,7 @@ import pytest
 
 import mlx_spec.sampling as sampling
 from mlx_spec import exact
+from mlx_spec.attention import TreeMask
 from mlx_spec.decoding import plain_steps, speculative_steps
 from mlx_spec.drafters.base import Draft
 from mlx_spec.drafters.draft_model import DraftModel
@@ -82,6 +83,27 @@ def test_exact_attention_sees_only_what_its_mask_allows():
     got = exact.attention(q, k, v, exact.ExactMask(mask), 0.5)
     want = mx.fast.scaled_dot_product_attention(q, k[:, :, :300], v[:, :, :300], scale=0.5)
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_a_tree_nodes_attention_reads_its_keys_where_its_chain_holds_them():
+    """Each node of a tree verified exactly attends bit for bit as its own chain would: its ancestor at depth d
+    read from the slot after the pending token's d - 1 (kernels that sum a block in several accumulators, as
+    OpenBLAS's AVX-512 ones do, add a term to the one its slot falls to)."""
+    parents, cached = (-1, 0, 0, 1, 2, 3), 253  # the pending token, two children, a chain below each
+    assert exact.chain_order(parents, 2, 8)[4].tolist() == [0, 1, 2, 4, 6, 3, 5, 7]  # node 4: nodes 0, 2, itself
+    mx.random.seed(1)
+    S, L = len(parents), exact.blocks(cached + len(parents))
+    q, k, v = mx.random.normal((1, 4, S, 16)), mx.random.normal((1, 2, L, 16)), mx.random.normal((1, 2, L, 16))
+    tree_mask = TreeMask(parents, cached)
+    got = exact.attention(q, k, v, exact.ExactMask.of(tree_mask.dense[None, None], tree_mask), 0.25)
+    for node in range(S):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        slots = mx.array([*range(cached), *(cached + i for i in reversed(path)), *range(cached + len(path), L)])
+        chain = exact.ExactMask.of(mx.ones((1, 1, 1, cached + len(path)), mx.bool_))
+        want = exact.attention(q[:, :, node : node + 1], k[:, :, slots], v[:, :, slots], chain, 0.25)
+        assert mx.array_equal(got[:, :, node], want[:, :, 0]).item(), node
 
 
 @pytest.fixture(scope="module")

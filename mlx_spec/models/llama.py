@@ -235,7 +235,7 @@ class Model(nn.Module):
                 if window and held + S > window:
                     raise UserError(f"--exact: a tree reaching past the sliding window ({window} tokens) of this "
                                     f"{self.model_type} target: verify chains (no --tree, --tree-budget)")
-            return [ExactMask.of(mask)] * len(layers)
+            return [ExactMask.of(mask, tree if isinstance(tree, TreeMask) else None)] * len(layers)
         if tree is None:
             return [default_mask(S, [first] if first is not None else None, window)] * len(layers)
         if window and (max(first.lengths) if first is not None else 0) + S > window:
@@ -289,7 +289,8 @@ class Model(nn.Module):
         masks = self.masks(tokens.shape[1], cache[0] if cache else None, range(n_layers), mask, positions, exact)
         states = {0: h}
         checkpoint = getattr(self, "_grad_checkpoint", False)
-        token = EXACTLY.set(exact)  # (read by the attention of a target on mlx-lm's modules)
+        token = EXACTLY.set(mask if exact and isinstance(mask, TreeMask) else exact)  # (read by the attention of
+        # a target on mlx-lm's modules: the tree it verifies, each query's keys as its decoding holds them)
         try:
             for i in range(n_layers):
                 if checkpoint:
