@@ -12,11 +12,11 @@ picks the K with the most tokens a second,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all). T_B(K) is
 the median of the last rounds at K, the least of two where two ran (one may compile); a K run less is read linearly
-between the lengths measured (a GPU's verification steps up from one token to two, then rises little; a CPU's rises,
-with dips where its kernels' tiles fall: each K that would pay is run once), and past them along their least-squares
-line (before two are, SLOPE plain rounds a drafted token). A batch size met first borrows the nearest one's times,
-scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on. The first drafting round
-after plain ones is a switch (its drafter catches up): its extra time is what probes weigh.
+between the lengths measured, run twice where any is (a GPU's verification steps up from one token to two, then rises
+little; a CPU's rises, with dips where its kernels' tiles fall: each K that would pay is run), past them on their
+least-squares line (before two are, SLOPE plain rounds a drafted token), or off its one round where cheaper. A batch
+size met first borrows the nearest one's times, scaled as its own rounds compare. Plain rounds are timed queued, as
+plain decoding goes on. The first drafting round after plain ones is a switch: its extra time is what probes weigh.
 
 Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a bad
 patch passes), and now and then it probes at its best drafting K, as far apart as keeps what probes are expected to
@@ -70,8 +70,7 @@ class Acceptance:
         self.fade(decay)
         self.accepted, self.reached = (v + [0.0] * (k - len(v)) for v in (self.accepted, self.reached))
         for i in range(min(k, int(n) + 1)):  # position i is reached when the i before it were kept
-            self.reached[i] += 1
-            self.accepted[i] += min(n - i, 1.0)
+            self.reached[i], self.accepted[i] = self.reached[i] + 1, self.accepted[i] + min(n - i, 1.0)
 
 
 def tokens_by_k(rates: list[float]) -> list[float]:
@@ -93,19 +92,21 @@ class Costs:
     def known(self) -> dict[int, tuple[float, int]]:
         """K -> (T(K), rounds) as measured here; else borrowed (one round), scaled by the median ratio of this
         size's rounds to them at the drafting K run here (a CPU's 16 rows cost many times 2 rows'), else plain."""
-        own = {**{k: (min(t), 1) for k, t in self.first.items()},
+        own = {**{k: (min(t), len(t)) for k, t in self.first.items()},
                **{k: (median(t) if len(t) >= TRUSTED else min(t), len(t)) for k, t in self.times.items()}}
         ratios = [own[k][0] / t for k, t in self.borrowed.items() if k and k in own] or [
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
         return {**{k: (t * median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
     def seconds(self, k: int, known: dict | None = None) -> float:
-        """T(K) in seconds (plain rounds before any is timed): as its rounds say once two ran, switch rounds too (one
-        may compile); else read off the lengths `known` (K = 0: plain), linearly between two, beyond on a line."""
+        """T(K) in seconds (plain rounds before any is timed): as its rounds say once two ran, switch rounds too; else
+        off the lengths `known` (K = 0: plain; those run twice, if any is), or its one round (may compile) if less."""
         points = dict(known or {0: (1.0, 1), **self.known()})
         if k == 0 or len(self.times.get(k, ())) + len(self.first.get(k, ())) > 1:
             return points[k][0]
-        own = points.pop(k, (float("inf"), 0))[0]  # its few rounds say where it is cheaper (a spike is dearer)
+        own = points.pop(k, (float("inf"), 0))[0]  # its one round says where it is cheaper (a first use may compile)
+        if any(j and p[1] > 1 for j, p in points.items()):  # than the lengths run twice and those borrowed, if any
+            points = {j: p for j, p in points.items() if not j or p[1] > 1 or j not in self.times | self.first}
         below, above = max(j for j in points if j < k), min((j for j in points if j > k), default=None)
         if above is not None:
             (t0, _), (t1, _) = points[below], points[above]
@@ -161,8 +162,7 @@ class Policy:
         if drafter is None:
             return cls(k_max, num_draft)
         policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, num_draft), cls(k_max, num_draft))
-        policy.rows.clear()
-        policy.owner.clear()
+        policy.rows, policy.owner = {}, {}
         return policy
 
     def forget(self, key) -> None:
