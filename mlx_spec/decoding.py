@@ -198,7 +198,7 @@ class Decoder:
             for (_, b), draft in zip(members, proposed):
                 drafts[b] = draft.to_depth(ks[b])  # a round never commits more than k + 1 tokens
                 if self.width:
-                    drafts[b] = drafts[b].only(exact.fits(drafts[b].parents, starts[b], self.width))
+                    drafts[b] = drafts[b].only(exact.fits(drafts[b].parents, self.width))
         mx.async_eval([a for d in drafts for a in (d.tokens, d.log_probs) if a is not None])
         dispatched = time.perf_counter()  # the drafts compute while the verification and its verdicts are built
         capture = self._capture()

@@ -67,13 +67,11 @@ def test_exact_greedy_is_exact_plain_with_the_reference_blas(target, kind):
         assert tokens_of(speculative_steps(target, prompt, GREEDY, 40, make(), width=width)) == plain, prompt
 
 
-def test_a_tree_is_cut_where_a_node_would_leave_its_positions_block():
-    parents = [-1, -1, 0, 1, 2, 3, 4]  # two roots (slots 1, 2), then each root's chain
-    assert exact.fits(parents, 10, 8) == list(range(7))
-    # the pending token at 252: node i in slot 253 + i, at position 252 + depth; the block ends at 256
-    assert exact.fits(parents, 252, 8) == [0, 1, 2]  # node 3 (slot 256, position 254) and the rest go
-    assert exact.fits(None, 252, 8) == list(range(7))  # a chain's slots are its positions
-    assert exact.fits(parents, 10, 4) == [0, 1, 2]
+def test_an_exact_round_takes_the_first_nodes_its_width_holds():
+    parents = [-1, -1, 0, 1, 2, 3, 4]  # two roots, then each root's chain
+    assert exact.fits(parents, 8) == list(range(7))
+    assert exact.fits(parents, 4) == [0, 1, 2]
+    assert exact.fits(None, 8) == list(range(7))  # a chain: as many as it drafted, up to 7
 
 
 def test_exact_attention_sees_only_what_its_mask_allows():
