@@ -26,6 +26,7 @@ one forward verifying them all, and `width` takes the first width that holds."""
 from __future__ import annotations
 
 import contextvars
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -66,17 +67,18 @@ class ExactMask:
         if tree is None:
             return cls(allowed)
         tail = tree.cached // BLOCK * BLOCK
-        return cls(allowed, mx.array(chain_order(tree.parents, tree.cached - tail, blocks(n) - tail)), tail)
+        return cls(allowed, chain_order(tree.parents, tree.cached - tail, blocks(n) - tail), tail)
 
 
-def chain_order(parents: Sequence[int], start: int, T: int) -> np.ndarray:
+@functools.lru_cache(maxsize=16)  # a target on mlx-lm's modules asks at every layer
+def chain_order(parents: tuple[int, ...], start: int, T: int) -> mx.array:
     """`[S, T]` int32: for each node of a tree (`parents`, the pending token first, in slot `start` of T), the
     slots it reads in the order its decoding as a chain holds them: those before `start`, its ancestors and
     itself (the one at depth d in slot start + d), then those it does not see."""
     seen = np.zeros((len(parents), T), bool)
     seen[:, :start] = True
     seen[:, start : start + len(parents)] = tree.ancestor_matrix(parents)
-    return np.argsort(~seen, axis=1, kind="stable").astype(np.int32)
+    return mx.array(np.argsort(~seen, axis=1, kind="stable").astype(np.int32))
 
 
 def products(q: mx.array, k: mx.array, L: int) -> mx.array:
