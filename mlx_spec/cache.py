@@ -133,22 +133,25 @@ class KVCache(_Rows):
             raise CacheError(f"cannot cut row {b} to {length} tokens: it holds {self.lengths[b]}")
         self.lengths[b] = length
 
-    def keep(self, indices: Sequence[int], start: int, b: int = 0) -> None:
-        """Row b keeps slots `[0, start)` and the slots `indices` (ascending, all in
-        `[start, length)`), moved to `start, start + 1, ...`; the rest is dropped.
-        This commits the accepted path of a verified tree."""
-        idx = [int(i) for i in indices]
-        length = self.lengths[b]
-        if not 0 <= start <= length:
-            raise CacheError(f"keep: start {start} outside the cache (row {b} holds {length})")
-        if any(i < start or i >= length for i in idx) or any(a >= c for a, c in zip(idx, idx[1:])):
-            raise CacheError(f"keep: indices must ascend within [{start}, {length}), got {idx}")
-        n = len(idx)
-        if n and idx != list(range(start, start + n)):
-            gather = mx.array(idx)
-            self.keys[b : b + 1, :, start : start + n] = self.keys[b : b + 1, :, gather]
-            self.values[b : b + 1, :, start : start + n] = self.values[b : b + 1, :, gather]
-        self.lengths[b] = start + n
+    def keep(self, paths: dict[int, tuple[int, Sequence[int]]]) -> None:
+        """Each row b of `paths` (b -> (start, indices)) keeps slots `[0, start)` and the slots `indices`
+        (ascending, all in `[start, length)`), moved to `start, start + 1, ...`; the rest is dropped. This
+        commits the accepted paths of verified trees: every row's moves in one gather and one write (a write
+        a row would copy the whole buffer each time)."""
+        moves = []  # (row, to, from)
+        for b, (start, indices) in paths.items():
+            idx, length = [int(i) for i in indices], self.lengths[b]
+            if not 0 <= start <= length:
+                raise CacheError(f"keep: start {start} outside the cache (row {b} holds {length})")
+            if any(i < start or i >= length for i in idx) or any(a >= c for a, c in zip(idx, idx[1:])):
+                raise CacheError(f"keep: indices must ascend within [{start}, {length}), got {idx}")
+            moves += [(b, start + j, i) for j, i in enumerate(idx) if i != start + j]
+        for b, (start, indices) in paths.items():
+            self.lengths[b] = start + len(indices)
+        if moves:
+            rows, to, src = (mx.array(v) for v in zip(*moves))  # [M] each
+            self.keys[rows, :, to] = self.keys[rows, :, src]  # [M, H_kv, D]
+            self.values[rows, :, to] = self.values[rows, :, src]
 
     def extend(self, other: KVCache) -> None:
         """Append `other`'s rows (a prompt read alone joins the batch)."""
@@ -245,9 +248,9 @@ class LayerCaches(_Rows):
         for c in self.caches:
             c.cut(b, length)
 
-    def keep(self, indices: Sequence[int], start: int, b: int = 0) -> None:
+    def keep(self, paths: dict[int, tuple[int, Sequence[int]]]) -> None:
         for c in self.caches:
-            c.keep(indices, start, b)
+            c.keep(paths)
 
     def extend(self, other: LayerCaches) -> None:
         for c, o in zip(self.caches, other.caches):
@@ -386,11 +389,11 @@ class RecurrentCache(_Rows):
                     value = mx.where(chosen, value, self.arrays[i])
                 self.arrays[i] = value
 
-    def keep(self, indices: Sequence[int], start: int, b: int = 0) -> None:
-        idx = [int(i) for i in indices]
-        if idx != list(range(start, start + len(idx))):
-            raise CacheError("a linear-attention layer cannot keep a tree's path: verify chains")
-        self.cut(b, start + len(idx))
+    def keep(self, paths: dict[int, tuple[int, Sequence[int]]]) -> None:
+        for b, (start, indices) in paths.items():
+            if [int(i) for i in indices] != list(range(start, start + len(indices))):
+                raise CacheError("a linear-attention layer cannot keep a tree's path: verify chains")
+            self.cut(b, start + len(indices))
 
     def extend(self, other: RecurrentCache) -> None:
         self.settle()
@@ -489,9 +492,10 @@ def trim_cache(cache: list[KVCache], n: int) -> None:
         c.trim(n)
 
 
-def keep_cache(cache: list[KVCache], indices: Sequence[int], start: int, b: int = 0) -> None:
+def keep_cache(cache: list[KVCache], paths: dict[int, tuple[int, Sequence[int]]]) -> None:
+    """Each row b of `paths` keeps its accepted tree path (`KVCache.keep`), in every layer."""
     for c in cache:
-        c.keep(indices, start, b)
+        c.keep(paths)
 
 
 def cut_cache(cache: list[KVCache], b: int, length: int) -> None:

@@ -209,11 +209,14 @@ class Decoder:
         read, drafted, asked = host.read(lazy, [d.tokens for d in drafts], asked)  # the round's one wait
         verified = time.perf_counter()
         results = verdicts(read, drafted, drafts, params, self.acceptance)
+        trees = {}  # row -> where its tree starts, and the slots of its accepted path
         for b, ((path, _), draft) in enumerate(zip(results, drafts)):
             if draft.parents is None:
                 cut_cache(self.cache, b, starts[b] + 1 + len(path))
             else:
-                keep_cache(self.cache, [starts[b] + 1 + i for i in path], starts[b] + 1, b)
+                trees[b] = (starts[b] + 1, [starts[b] + 1 + i for i in path])
+        if trees:  # every row's path moved into place at once
+            keep_cache(self.cache, trees)
         events = {}
         for b, (r, draft, row_drafted, (path, token)) in enumerate(zip(rows, drafts, drafted, results)):
             new, at = [row_drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]

@@ -16,12 +16,12 @@ between the lengths measured, run twice where any is (a GPU's verification steps
 little; a CPU's rises, with dips where its kernels' tiles fall: each K that would pay is run), past them on their
 least-squares line (before two are, SLOPE plain rounds a drafted token), or off its one round where cheaper. A batch
 size met first borrows the nearest one's times, scaled as its own rounds compare. Plain rounds are timed queued, as
-plain decoding goes on. The first drafting round after plain ones is a switch: its extra time is what probes weigh.
+plain decoding goes on (two at first). The first drafting round after plain ones is a switch: probes weigh its extra.
 
 Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a bad
-patch passes), and now and then it probes at its best drafting K, as far apart as keeps what probes are expected to
-lose at EXPLORE of plain decoding's time. Prompt lookup and suffix decoding need none: each plain round tells the odds
-their guess had (`record`'s `odds`). `choose` comes before a round (no effect), `record` after it; `last` says why."""
+patch passes), and now and then it probes at its best K measured (a line may read one never run cheaper than it is), as
+far apart as keeps what probes are expected to lose at EXPLORE of plain decoding's time. Lookup and suffix decoding
+need none: each plain round tells the odds their guess had (`record`'s `odds`). `last` says why."""
 
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ class Policy:
 
     def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
         c = self._costs(len(keys))
-        if (c.times or c.first) and not c.times.get(0):  # a first round drafts on what is assumed; then a plain
-            return Decision(0, "timing a plain round")  # round is timed, queued: what every K is weighed against
+        if (c.times or c.first) and len(c.times.get(0, ())) < 2:  # a first round drafts on what is assumed; then two
+            return Decision(0, "timing plain rounds")  # plain rounds are timed, queued (their least: one may compile)
         tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
         for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
@@ -196,7 +196,7 @@ class Policy:
             untried = [j for j in range(1, most + 1) if j not in c.times | c.first and rate[j] > rate[0] and c.drafting]
             k = max(untried, key=rate.__getitem__, default=best)  # once: a dip the line misses, where tiles fall)
             return Decision(k, "drafting pays" + "; trying a length not run yet" * (k != best), k, tokens, seconds)
-        best = max(range(1, most + 1), key=rate.__getitem__)  # the drafting K that loses least
+        best = max([j for j in known if 0 < j <= most] or range(1, most + 1), key=rate.__getitem__)  # K measured
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
             return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
         # A probe loses its round's time and the switch beyond its tokens (as its K's rounds read, where dearer: one

@@ -135,8 +135,9 @@ class _Elsewhere(_Rows):
     def cut(self, b: int, length: int) -> None:
         self.lengths[b] = length
 
-    def keep(self, indices, start: int, b: int = 0) -> None:
-        self.lengths[b] = start + len(indices)
+    def keep(self, paths: dict) -> None:
+        for b, (start, indices) in paths.items():
+            self.lengths[b] = start + len(indices)
 
     def extend(self, other: "_Elsewhere") -> None:
         self.lengths += other.lengths

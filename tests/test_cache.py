@@ -45,11 +45,11 @@ def test_keep_gathers_accepted_nodes():
     c = KVCache()
     c.update_and_fetch(*kv(3))  # committed context
     c.update_and_fetch(*kv(5, 100))  # a tree of 5 nodes in slots 3..7
-    c.keep([3, 5, 7], start=3)
+    c.keep({0: (3, [3, 5, 7])})
     assert c.offset == 6
     assert slots(c) == [0, 1, 2, 100, 102, 104]
     assert c.values[0, 0, :6, 0].tolist() == [0, -1, -2, -100, -102, -104]
-    c.keep([], start=6)
+    c.keep({0: (6, [])})
     assert c.offset == 6
 
 
@@ -61,11 +61,11 @@ def test_rolling_back_what_is_not_there_raises():
     with pytest.raises(CacheError):
         c.trim(-1)
     with pytest.raises(CacheError):
-        c.keep([1, 0], start=0)
+        c.keep({0: (0, [1, 0])})
     with pytest.raises(CacheError):
-        c.keep([2], start=0)
+        c.keep({0: (0, [2])})
     with pytest.raises(CacheError):
-        c.keep([0], start=1)
+        c.keep({0: (1, [0])})
     assert c.offset == 2
 
 
@@ -110,10 +110,20 @@ def test_rows_of_different_lengths_write_in_one_go_and_roll_back_alone():
 def test_a_row_keeps_its_accepted_tree_path():
     c = joined(2, 4)
     c.update_and_fetch(*rows_of_kv([3, 3], start=100))
-    c.keep([3, 4], start=2, b=0)  # row 0: nodes 1 and 2 of its tree
+    c.keep({0: (2, [3, 4])})  # row 0: nodes 1 and 2 of its tree
     assert row_slots(c, 0) == [0, 1, 101, 102] and row_slots(c, 1) == [0, 1, 2, 3, 1100, 1101, 1102]
     with pytest.raises(CacheError):
-        c.keep([7], start=4, b=0)
+        c.keep({0: (4, [7])})
+
+
+def test_rows_keep_their_paths_in_one_call_and_a_bad_path_changes_no_row():
+    c = joined(2, 4)  # rows of 2 and 4 tokens
+    c.update_and_fetch(*rows_of_kv([3, 3], start=100))
+    with pytest.raises(CacheError):
+        c.keep({0: (2, [3, 4]), 1: (4, [3])})
+    assert c.lengths == [5, 7]
+    c.keep({0: (2, [3, 4]), 1: (4, [4, 6])})  # row 0: nodes 1 and 2 of its tree; row 1: nodes 0 and 2
+    assert row_slots(c, 0) == [0, 1, 101, 102] and row_slots(c, 1) == [0, 1, 2, 3, 1100, 1102]
 
 
 def test_the_mask_lets_each_row_see_its_own_cache_and_its_new_tokens_causally():

@@ -58,7 +58,7 @@ def test_tree_commit_with_keep_continues_exactly(checkpoints):
     model(mx.array([TOKENS]), cache, positions=positions, mask=tree_mask(PARENTS, start))
     accepted = [0, 1, 4, 6]  # a root-to-leaf path
     for c in cache:
-        c.keep([start + i for i in accepted], start)
+        c.keep({0: (start, [start + i for i in accepted])})
     after, _ = model(mx.array([[30]]), cache)
     ref_cache = model.make_cache()
     ref, _ = model(mx.array([PROMPT + [TOKENS[i] for i in accepted] + [30]]), ref_cache)

@@ -25,6 +25,8 @@ def batch_sizes(value: str) -> list[int]:
 
 
 TURN = 8  # rounds a decoder runs before the other of its pair takes its turn
+WARM = 16  # tokens a warm-up row decodes: the policy's first rounds at a batch size (a drafting round on what it
+# assumes, plain rounds timed, a length's second round: its first may have compiled) fall in it
 
 
 def take_turns(decoders: list[Decoder], turn: int = TURN,
@@ -75,7 +77,7 @@ def measure_concurrency(model, drafters: dict, prompts: list[list[int]], sizes: 
         decoders = [Decoder(model, num_draft=fixed.get(name), width=width) for name in methods]
         # a warm-up (B prompts, a few tokens each: it compiles B's shapes and times B's rounds at the run's contexts,
         # what every K is weighed against while drafting pays), then the run
-        for sequences, tokens in ((B, 8), (max(len(prompts), B), n)):
+        for sequences, tokens in ((B, WARM), (max(len(prompts), B), n)):
             # a session a method and run (suffix decoding would otherwise recall the warm-up's answers)
             sessions = [d.new_session() if d is not None else None for d in methods.values()]
             started = [0] * len(methods)
