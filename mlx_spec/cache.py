@@ -134,10 +134,9 @@ class KVCache(_Rows):
         self.lengths[b] = length
 
     def keep(self, paths: dict[int, tuple[int, Sequence[int]]]) -> None:
-        """Each row b of `paths` (b -> (start, indices)) keeps slots `[0, start)` and the slots `indices`
-        (ascending, all in `[start, length)`), moved to `start, start + 1, ...`; the rest is dropped. This
-        commits the accepted paths of verified trees: every row's moves in one gather and one write (a write
-        a row would copy the whole buffer each time)."""
+        """Each row b of `paths` (b -> (start, indices)) keeps slots `[0, start)` and the slots `indices` (ascending,
+        in `[start, length)`), moved to `start, start + 1, ...`: the accepted paths of verified trees, every row's
+        moves in one gather and one write (a write a row copied the whole buffer each time)."""
         moves = []  # (row, to, from)
         for b, (start, indices) in paths.items():
             idx, length = [int(i) for i in indices], self.lengths[b]
@@ -146,8 +145,7 @@ class KVCache(_Rows):
             if any(i < start or i >= length for i in idx) or any(a >= c for a, c in zip(idx, idx[1:])):
                 raise CacheError(f"keep: indices must ascend within [{start}, {length}), got {idx}")
             moves += [(b, start + j, i) for j, i in enumerate(idx) if i != start + j]
-        for b, (start, indices) in paths.items():
-            self.lengths[b] = start + len(indices)
+        self.lengths = [paths[b][0] + len(paths[b][1]) if b in paths else n for b, n in enumerate(self.lengths)]
         if moves:
             rows, to, src = (mx.array(v) for v in zip(*moves))  # [M] each
             self.keys[rows, :, to] = self.keys[rows, :, src]  # [M, H_kv, D]
@@ -492,8 +490,7 @@ def trim_cache(cache: list[KVCache], n: int) -> None:
         c.trim(n)
 
 
-def keep_cache(cache: list[KVCache], paths: dict[int, tuple[int, Sequence[int]]]) -> None:
-    """Each row b of `paths` keeps its accepted tree path (`KVCache.keep`), in every layer."""
+def keep_cache(cache: list[KVCache], paths: dict[int, tuple[int, Sequence[int]]]) -> None:  # `KVCache.keep`
     for c in cache:
         c.keep(paths)
 
