@@ -178,11 +178,13 @@ class Decoder:
         rows = self.rows
         guesses = {b: r.drafter.guess(r.slot, r.context) for b, r in enumerate(rows) if r.drafter and r.drafter.guesses}
         empty = [guesses.get(b, 0) is None for b in range(len(rows))]  # its drafter finds nothing to draft
+        if self.queued is not None:  # a round queued is taken (its forward is under way), as the choice that queued
+            return self._plain_step(guesses, empty, self.policy.last)  # it said: one made on later news waits a round
         ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
                                 [max(r.max_tokens - r.produced - 1, 0) for r in rows], empty)  # a round adds one token
         why = self.policy.last
-        if not any(ks) or self.queued is not None:  # a round queued is taken (its forward is under way): a
-            return self._plain_step(guesses, empty, why)  # choice to draft made on news that came after it waits a round
+        if not any(ks):
+            return self._plain_step(guesses, empty, why)
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
         tic = time.perf_counter()
@@ -276,14 +278,14 @@ class Decoder:
 
     def _plain_step(self, guesses: dict[int, int | None], empty: list[bool], why) -> dict[object, StepEvent]:
         """A plain round for every row; drafters still read the target's features, and those that guess
-        (`guesses`: row -> the token its draft would start with) learn the odds it had of being accepted.
+        (`guesses`: row -> the token its draft would start with) learn whether it would have been kept: the
+        token drawn equals the guess with the probability a draft of it is accepted (the target's for it,
+        sampling; 0 or 1, greedy), so the policy's odds are unbiased and cost no device work.
         The next round is queued before this one's tokens are read (the host builds it meanwhile)."""
         tic = time.perf_counter()
         rows, capture, queued = self.rows, self._capture(), self.queued is not None
-        y, hidden, asked, lp = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in rows]), capture)
-        hits = [(b, x) for b, x in guesses.items() if x is not None]
-        odds = None if lp is None or not hits else mx.exp(lp[mx.array([b for b, _ in hits]), mx.array([x for _, x in hits])])
-        mx.async_eval(y, *([odds] if odds is not None else []))
+        y, hidden, asked = self.queued or self._plain_forward(mx.array([[r.context[-1]] for r in rows]), capture)
+        mx.async_eval(y)
         # Queued only where the next round is plain too (as far as is known now: a row whose drafter found
         # nothing this round is taken to find nothing the next); one that drafts would wait for it, then drop it.
         keys, drafters = [r.key for r in rows], [r.drafter for r in rows]
@@ -292,14 +294,13 @@ class Decoder:
         if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)):
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
-        tokens, odds, asked = host.read(y, odds, asked)  # the round's one wait
+        tokens, asked = host.read(y, asked)  # the round's one wait
         toc = time.perf_counter()
         events = {}
         for b, (r, token) in enumerate(zip(rows, tokens)):
             self._commit(b, r, [token], hidden, capture)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic,
                                       logprobs=read_logprobs(asked, b, [0], [token]), why=why)
-        odds = odds if odds is not None else [float(tokens[b] == x) for b, x in hits]  # greedy: 0 or 1
         # What drafting must beat is plain decoding going on: a round queued that queues the next (or one
         # neither queued nor queuing); the first of a run of them also queued the next, the last's ran before.
         steady = queued == (self.queued is not None)
@@ -308,14 +309,13 @@ class Decoder:
             e.host_time = end - toc
         if any(drafters):
             self.policy.record(keys, [0] * len(keys), [0] * len(keys), end - tic, steady,
-                               {rows[b].key: p for (b, _), p in zip(hits, odds)})
+                               {rows[b].key: float(tokens[b] == x) for b, x in guesses.items() if x is not None})
         self._finish()
         return events
 
     def _plain_forward(self, tokens: mx.array, capture: tuple[int, ...]) -> tuple:
         """The next token of every row `[B]` after `tokens` `[B, 1]`, the hidden states `capture` names
-        there, what the rows asking for log-probabilities get and the distributions drawn from
-        `[B, V]` (None when every row is greedy), lazy."""
+        there and what the rows asking for log-probabilities get, lazy."""
         if self.width:  # the rest of the width: throwaway tokens, their keys cut at once
             tokens = mx.concatenate([tokens, mx.zeros((len(self.rows), self.width - 1), mx.int32)], axis=1)
             rows = [tokens] if len(self.rows) == 1 else [tokens[b : b + 1] for b in range(len(self.rows))]
@@ -324,8 +324,8 @@ class Decoder:
             logits, hidden = logits[:, :1], tuple(h[:, :1] for h in hidden)
         else:
             logits, hidden = self.model(tokens, self.cache, capture=capture)  # [B, 1, V]
-        y, lp = draw_rows(logits[:, -1], [r.params for r in self.rows])
-        return y, hidden, gather(self.rows, lambda b: logits[b]), lp
+        y, _ = draw_rows(logits[:, -1], [r.params for r in self.rows])
+        return y, hidden, gather(self.rows, lambda b: logits[b])
 
     @staticmethod
     def _commit(b: int, r: Row, tokens: list[int], hidden: tuple, capture: tuple, at=slice(None)) -> None:

@@ -206,13 +206,13 @@ def parted() -> None:
     _end(PARTED)
 
 
-def rank0_times(seconds: float) -> float:
-    """A round's time as rank 0 measured it, on every rank (so that every rank's policy chooses the
-    same K); as it is without --shard."""
+def rank0_times(*seconds: float) -> list[float]:
+    """Times of a round as rank 0 measured them, on every rank (so that every rank's policy chooses the
+    same K); as they are without --shard."""
     if _RUN is None:
-        return seconds
+        return list(seconds)
     beat()
-    return _from_rank0(mx.array([seconds], dtype=mx.float32)).item()
+    return _from_rank0(mx.array(seconds, dtype=mx.float32)).tolist()
 
 
 def describe() -> dict | None:

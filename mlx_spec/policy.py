@@ -11,26 +11,30 @@ picks the K with the most tokens a second,
     K* = argmax_K  sum_rows E_row(K) / T_B(K),        K = 0: plain decoding, one token a row,
 
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all). T_B(K) is
-the median of the last rounds at K, the least of two where two ran (one may compile); a K run less is read linearly
-between the lengths measured, run twice where any is (a GPU's verification steps up from one token to two, then rises
-little; a CPU's rises, with dips where its kernels' tiles fall: each K that would pay is run), past them on their
-least-squares line (before two are, SLOPE plain rounds a drafted token), or off its one round where cheaper. A batch
-size met first borrows the nearest one's times, scaled as its own rounds compare. Plain rounds are timed queued, as
-plain decoding goes on (two at first). The first drafting round after plain ones is a switch: probes weigh its extra.
+the median of the last rounds at K (of two, their least: one may compile); a K run less is read linearly between the
+lengths run twice (a GPU's verification steps up from one token to two, then rises little; a CPU's rises, with dips
+where tiles fall: each K that would pay is run), past them on their least-squares line (SLOPE plain rounds a drafted
+token before two are), or off its one round where cheaper. A batch size met first borrows the nearest one's times,
+scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on (two at first); the first
+drafting round after them is a switch, whose extra probes weigh. A plain choice stands while deciding anew would cost
+more than EXPLORE of the rounds' time (`Decision.hold`).
 
-Exploration: a row decoding plainly learns nothing of its drafts. What it knew fades toward its drafter's pool (a bad
-patch passes), and now and then it probes at its best K measured (a line may read one never run cheaper than it is), as
-far apart as keeps what probes are expected to lose at EXPLORE of plain decoding's time. Lookup and suffix decoding
-need none: each plain round tells the odds their guess had (`record`'s `odds`). `last` says why."""
+Exploration: a row decoding plainly learns nothing of its drafts: what it knew fades toward its drafter's pool (a bad
+patch passes), and it probes at its best K measured (a line may read one never run cheaper than it is) as far apart as
+keeps what probes are expected to lose at EXPLORE of plain decoding's time. Lookup and suffix decoding need none: a
+plain round tells whether their guess would have been kept (`record`'s `odds`). `last` says why."""
 
 from __future__ import annotations
 
 import operator
+import time
 import weakref
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cache
 from itertools import accumulate
-from statistics import median
+from statistics import linear_regression, median
 
 from mlx_spec import distributed
 from mlx_spec.sampling import SamplingParams
@@ -56,17 +60,17 @@ class Acceptance:
         """a_0..a_{k-1}: each position's counts against a rate weighing one round: `prior` (the pool's) drawn to the
         row's rate a position before by the rounds that reached it (a text goes on as it began); else the one before."""
         out = []
-        for i in range(k):
-            r = self.reached[i - 1] if prior and 0 < i <= len(self.reached) else 0.0
+        for i in range(min(k, len(self.reached) + 1)):  # past them: the pool's, or the last
+            r = self.reached[i - 1] if prior and i else 0.0
             p = (prior[i] + r * out[-1]) / (1 + r) if r else (prior[i] if prior else (out[-1] if out else PRIOR))
             out.append((self.accepted[i] + p) / (self.reached[i] + 1) if i < len(self.reached) else p)
-        return out
+        return out + (prior[len(out):k] if prior else [out[-1] if out else PRIOR] * (k - len(out)))
 
     def fade(self, decay: float) -> None:
         self.accepted, self.reached = [a * decay for a in self.accepted], [r * decay for r in self.reached]
 
     def update(self, k: int, n: float, decay: float) -> None:
-        """A round of k drafts kept n; n is fractional for a guess's odds (k = 1)."""
+        """A round of k drafts kept n (a guess: k = 1)."""
         self.fade(decay)
         self.accepted, self.reached = (v + [0.0] * (k - len(v)) for v in (self.accepted, self.reached))
         for i in range(min(k, int(n) + 1)):  # position i is reached when the i before it were kept
@@ -98,32 +102,28 @@ class Costs:
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
         return {**{k: (t * median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
-    def seconds(self, k: int, known: dict | None = None) -> float:
-        """T(K) in seconds (plain rounds before any is timed): as its rounds say once two ran, switch rounds too; else
-        off the lengths `known` (K = 0: plain; those run twice, if any is), or its one round (may compile) if less."""
-        points = dict(known or {0: (1.0, 1), **self.known()})
-        if k == 0 or len(self.times.get(k, ())) + len(self.first.get(k, ())) > 1:
-            return points[k][0]
-        own = points.pop(k, (float("inf"), 0))[0]  # its one round says where it is cheaper (a first use may compile)
-        if any(j and p[1] > 1 for j, p in points.items()):  # than the lengths run twice and those borrowed, if any
-            points = {j: p for j, p in points.items() if not j or p[1] > 1 or j not in self.times | self.first}
-        below, above = max(j for j in points if j < k), min((j for j in points if j > k), default=None)
-        if above is not None:
-            (t0, _), (t1, _) = points[below], points[above]
-            line = t0 + (t1 - t0) * (k - below) / (above - below)
-        elif len(points) < 3:  # an assumed slope, unless borrowed (a tree verifies its nodes, not K)
-            line = own if k in self.borrowed else points[below][0] + SLOPE * points[0][0] * (k - below)
-        else:  # the least-squares slope of the lengths measured, each weighed by its rounds
-            line = points[below][0] + max(_slope({j: p for j, p in points.items() if j}), 0.0) * (k - below)
-        return min(own, max(line, points[0][0]))
-
-
-def _slope(points: dict[int, tuple[float, int]]) -> float:
-    """Of T against K, least squares, each K weighed by its rounds (numpy's polyfit cost 0.1 ms a call)."""
-    n = sum(c for _, c in points.values())
-    km, tm = sum(k * c for k, (_, c) in points.items()) / n, sum(t * c for t, c in points.values()) / n
-    return (sum(c * (k - km) * (t - tm) for k, (t, c) in points.items())
-            / sum(c * (k - km) ** 2 for k, (_, c) in points.items()))
+    def curve(self, most: int, known: dict | None = None) -> list[float]:
+        """T(K) for K = 0..most in seconds (plain rounds before any is timed): as its rounds say once two ran, switch
+        rounds too; else off the lengths `known` (K = 0: plain; those run twice, if any is), or its one round, less."""
+        known = known or {0: (1.0, 1), **self.known()}
+        ran, points = self.times | self.first, known  # its one round says where it is cheaper (a first may compile)
+        if any(j and p[1] > 1 for j, p in known.items()):  # than the lengths run twice and those borrowed, if any
+            points = {j: p for j, p in known.items() if not j or p[1] > 1 or j not in ran}
+        slope = cache(lambda drop: max(linear_regression(*zip(*[(j, t) for j, (t, c) in points.items() if j != drop
+                                                                 and j for _ in range(c)])).slope, 0.0))  # c: weights
+        out, at = [known[0][0]], sorted(points)
+        for k in range(1, most + 1):
+            below, above = at[bisect_left(at, k) - 1], at[bisect_right(at, k)] if k < at[-1] else None
+            if len(self.times.get(k, ())) + len(self.first.get(k, ())) > 1:
+                line = known[k][0]
+            elif above is not None:
+                line = points[below][0] + (points[above][0] - points[below][0]) * (k - below) / (above - below)
+            elif len(points) - (k in points) < 3:  # an assumed slope, unless borrowed (a tree verifies its nodes)
+                line = known[k][0] if k in self.borrowed else points[below][0] + SLOPE * points[0][0] * (k - below)
+            else:  # the least-squares slope of the lengths measured but K, each weighed by its rounds
+                line = points[below][0] + slope(k if k in points else None) * (k - below)
+            out.append(min(known.get(k, (float("inf"), 0))[0], max(line, points[0][0])))
+        return out
 
 
 @dataclass
@@ -135,6 +135,7 @@ class Decision:
     weighed: int = 0  # the K whose figures say why (the best drafting one, where the round is plain)
     tokens: list[float] = field(default_factory=list)  # E(K) summed over the rows, K = 0..most
     seconds: list[float] = field(default_factory=list)  # T(K)
+    hold: float = 0  # rounds it may stand, plain (to its probe): as many as keep deciding at EXPLORE of their time
 
     def __str__(self) -> str:
         k, e, t = self.weighed, self.tokens, self.seconds
@@ -152,7 +153,8 @@ class Policy:
         self.owner: dict[object, int] = {}  # row key -> id of its drafter's lineage
         self.pooled: dict[int, Acceptance] = {}  # id of a drafter's lineage -> its rows' acceptance pooled
         self.last: Decision | None = None
-        self.decided: tuple | None = None  # (what was asked, the decision) this round: the decoder asks twice
+        self.decided: tuple = (None, None)  # (what was asked, the decision): the decoder asks twice, a plain one holds
+        self.spent = 0.0  # seconds deciding this round
 
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None,
@@ -166,18 +168,18 @@ class Policy:
         return policy
 
     def forget(self, key) -> None:
-        self.rows.pop(key, None)
-        self.owner.pop(key, None)
+        self.rows.pop(key, None), self.owner.pop(key, None)
 
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
         """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
         drafter has nothing to draft this round). No effect: asking again gives the same answer."""
         drafts = [d is not None and not (empty and empty[b]) and rooms[b] > 0 for b, d in enumerate(drafters)]
         most = self.k_max or max((d.k_max for d in drafters if d is not None), default=0)
-        asked = (tuple(keys), tuple(drafts), most)
-        if self.decided is None or self.decided[0] != asked:
+        if self.decided[0] != (asked := (tuple(keys), tuple(drafts), most)):
+            tic = time.perf_counter()
             self.decided = (asked, Decision(0, "nothing to draft") if not any(drafts) else Decision(
                 self.num_draft, "K fixed") if self.num_draft is not None else self._decide(keys, drafters, drafts, most))
+            self.spent += time.perf_counter() - tic
         self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
@@ -185,11 +187,13 @@ class Policy:
         c = self._costs(len(keys))
         if (c.times or c.first) and len(c.times.get(0, ())) < 2:  # a first round drafts on what is assumed; then two
             return Decision(0, "timing plain rounds")  # plain rounds are timed, queued (their least: one may compile)
-        tokens = [float(len(keys) - sum(drafts))] * (most + 1)  # rows that do not draft: one token each
-        for rates in (self._rates(key, d, most) for key, d, on in zip(keys, drafters, drafts) if on):
+        tokens, pools = [float(len(keys) - sum(drafts))] * (most + 1), {}  # a row not drafting: a token; pools' rates
+        for key, d in ((key, d) for key, d, on in zip(keys, drafters, drafts) if on):
+            if (owner := self.owner.setdefault(key, id(d.lineage))) not in pools:  # a row against its drafter's pool
+                pools[owner] = self.pooled.setdefault(owner, Acceptance()).rates(most)
+            rates = self.rows.setdefault(key, Acceptance()).rates(most, pools[owner])
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
-        known = {0: (1.0, 1), **c.known()}
-        seconds = [c.seconds(k, known) for k in range(most + 1)]
+        seconds = c.curve(most, known := {0: (1.0, 1), **c.known()})
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
         if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run that would pay is tried
@@ -198,14 +202,15 @@ class Policy:
             return Decision(k, "drafting pays" + "; trying a length not run yet" * (k != best), k, tokens, seconds)
         best = max([j for j in known if 0 < j <= most] or range(1, most + 1), key=rate.__getitem__)  # K measured
         if all(d.guesses for d, on in zip(drafters, drafts) if on):
-            return Decision(0, "drafting does not pay; plain rounds weigh the guesses", best, tokens, seconds)
+            return Decision(0, "drafting does not pay; plain rounds weigh guesses", best, tokens, seconds, float("inf"))
         # A probe loses its round's time and the switch beyond its tokens (as its K's rounds read, where dearer: one
         dear = max(seconds[best] + (c.switch or 0.0), known.get(best, (0.0, 0))[0])  # may have compiled, probes wait)
         loss = max(dear - tokens[best] / tokens[0] * seconds[0], 0.0)  # probes lose EXPLORE, a dear one seldom
         every = max(1, round(loss / (EXPLORE * seconds[0])))
+        why = f"a probe every {every} plain rounds"
         if c.plain_rounds >= every:
-            return Decision(best, f"a probe, every {every} plain rounds", best, tokens, seconds)
-        return Decision(0, f"drafting does not pay; a probe in {every - c.plain_rounds} rounds", best, tokens, seconds)
+            return Decision(best, why, best, tokens, seconds)
+        return Decision(0, "drafting does not pay; " + why, best, tokens, seconds, every - c.plain_rounds)
 
     def _costs(self, B: int) -> Costs:
         """Batch size B's; one met first borrows the nearest measured (`Costs.known` scales them)."""
@@ -214,36 +219,31 @@ class Policy:
             self.costs[B] = Costs(borrowed={k: t for k, (t, _) in near.known().items()})
         return self.costs.setdefault(B, Costs())
 
-    def _rates(self, key, drafter, most: int) -> list[float]:  # a row's, against its drafter's pool
-        pool = self.pooled.setdefault(self.owner.setdefault(key, id(drafter.lineage)), Acceptance())
-        return self.rows.setdefault(key, Acceptance()).rates(most, pool.rates(most))
-
     def record(self, keys: list, ks: list[int], accepted: list[int], seconds: float, steady: bool = True,
                odds: dict | None = None) -> None:
         """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all of it);
         `steady`: a plain round costing what plain decoding does; `odds`: row -> the odds of its drafter's guess."""
-        c, k, self.decided = self._costs(len(keys)), max(ks), None
-        seconds = distributed.rank0_times(seconds)  # the same choices on every rank
+        c, k, held = self._costs(len(keys)), max(ks), self.decided[1]
+        seconds, spent = distributed.rank0_times(seconds, self.spent)  # the same choices on every rank
+        if held:  # a plain choice stands for rounds while deciding anew would cost more than EXPLORE of them
+            held.hold = (min(held.hold, max(1, round(spent / (EXPLORE * seconds)))) if spent else held.hold) - 1
+        self.decided, self.spent = self.decided if held and not k and held.hold > 0 else (None, None), 0.0
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time, once
             if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)
-                extra = max(seconds - c.seconds(k), 0.0)
+                extra = max(seconds - c.curve(k)[k], 0.0)
                 c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
             c.first.setdefault(k, deque(maxlen=2)).append(seconds)  # they stand for K until rounds going on are timed
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1
         for key, k, n in zip(keys, ks, accepted):
-            if k:
-                self._update(key, k, n)
+            if k or key in (odds or {}):  # drafts, or a guess (one draft: kept or not)
+                k, n = (k, n) if k else (1, odds[key])
+                self.rows.setdefault(key, Acceptance()).update(k, n, DECAY)
+                if key in self.owner:
+                    self.pooled[self.owner[key]].update(k, n, POOL_DECAY)
             elif key in self.rows:  # what a plainly decoding row knew of its drafts goes stale: it
                 self.rows[key].fade(DECAY)  # comes back to its drafter's pool, which may draft again
-        for key, p in (odds or {}).items():
-            self._update(key, 1, p)
-
-    def _update(self, key, k: int, n: float) -> None:
-        self.rows.setdefault(key, Acceptance()).update(k, n, DECAY)
-        if key in self.owner:
-            self.pooled[self.owner[key]].update(k, n, POOL_DECAY)
 
 
 _REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lineage -> {settings: Policy}

@@ -198,9 +198,9 @@ def test_two_rounds_at_a_k_stand_over_the_line_between_its_neighbours():
     (believing the line until three had run, it drafted 4 rounds at K=1 where none paid). One round may be a
     shape compiling: the line stands where it is cheaper."""
     c = Costs(times={0: deque([0.024] * 8), 3: deque([0.070] * 3), 1: deque([0.061, 0.062])})
-    assert c.seconds(1) == pytest.approx(0.061)
+    assert c.curve(1)[1] == pytest.approx(0.061)
     c.times[1].popleft()
-    assert c.seconds(1) == pytest.approx(0.024 + (0.070 - 0.024) / 3)
+    assert c.curve(1)[1] == pytest.approx(0.024 + (0.070 - 0.024) / 3)
 
 
 def test_a_row_whose_first_drafts_are_kept_weighs_its_second_by_them_over_the_pool():
@@ -244,6 +244,41 @@ def test_a_drafter_that_guesses_is_weighed_by_plain_rounds_instead_of_probes():
     assert plain_rounds(0.02, 200) == 200  # no probe
     assert plain_rounds(1.0, 50) <= 20
     assert policy.choose([0], [lookup], [100], empty=[True]) == [0]  # nothing to copy: plain
+
+
+@pytest.mark.parametrize("share", [0.5, 4.0, 1e6])
+def test_a_plain_choice_stands_while_deciding_anew_would_cost_more_than_its_share(monkeypatch, share):
+    """Deciding anew each round cost 0.1 ms of a 4 ms round on the tiny demo at one sequence on 2 CPU cores. Where
+    it costs `share` times EXPLORE of a plain round, a plain choice stands for that many rounds, never past its probe
+    (where it stands throughout, the probe comes when it said); a drafting round decides anew."""
+    from types import SimpleNamespace
+
+    from mlx_spec import policy as module
+
+    clock, decided, real = [0.0], [], Policy._decide
+
+    def decide(self, *args):
+        decided.append(len(ks))
+        clock[0] += share * EXPLORE * CPU[1][1] / 1e3
+        return real(self, *args)
+
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(Policy, "_decide", decide)
+    policy, d, ks = Policy(), draft_model(), []
+    simulate(CPU[1], 0.3, 1.5, policy=policy, drafter=d, rounds=60)
+    while policy.choose([0], [d], [100]) != [0]:
+        policy.record([0], [1], [0], CPU[1][2] / 1e3)
+    every = int(str(policy.last).split("a probe every ")[1].split()[0])
+    said, decided[:] = every - policy.costs[1].plain_rounds, []  # rounds to its probe
+    while not ks or ks[-1] == 0:
+        ks.append(policy.choose([0], [d], [100])[0])
+        assert policy.choose([0], [d], [100])[0] == ks[-1]  # the decoder asks twice a round
+        policy.record([0], ks[-1:], [0], CPU[1][ks[-1] + 1] / 1e3)
+    every = 1 if share < 1 else 4 if share < 10 else len(ks)  # rounds a choice stands; the probe's round decides
+    assert decided == sorted({*range(every, len(ks) - 1, every), len(ks) - 1})
+    assert len(ks) == said + 1 or share < 10  # standing throughout, the probe comes when the first choice said
+    policy.choose([0], [d], [100])
+    assert decided[-1] == len(ks)  # the probe's round drafted: the next decides anew
 
 
 def test_choosing_has_no_effect_and_says_why():
