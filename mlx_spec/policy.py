@@ -154,16 +154,15 @@ class Policy:
         self.pooled: dict[int, Acceptance] = {}  # id of a drafter's lineage -> its rows' acceptance pooled
         self.last: Decision | None = None
         self.decided: tuple = (None, None)  # (what was asked, the decision): the decoder asks twice, a plain one holds
-        self.spent = 0.0  # seconds deciding this round
+        self.spent: float | None = None  # seconds deciding this round (None: what stood was taken)
 
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None,
                    num_draft: int | None = None) -> Policy:
         """One sequence's policy as the drafter's earlier sequences at these settings left it (a chat's turns,
         a benchmark's prompts): round times and the drafter's pooled acceptance go on; each row starts anew."""
-        if drafter is None:
-            return cls(k_max, num_draft)
-        policy = _REMEMBERED.setdefault(drafter.lineage, {}).setdefault((params, k_max, num_draft), cls(k_max, num_draft))
+        policy = cls(k_max, num_draft) if drafter is None else _REMEMBERED.setdefault(drafter.lineage, {}).setdefault(
+            (params, k_max, num_draft), cls(k_max, num_draft))
         policy.rows, policy.owner = {}, {}
         return policy
 
@@ -179,7 +178,7 @@ class Policy:
             tic = time.perf_counter()
             self.decided = (asked, Decision(0, "nothing to draft") if not any(drafts) else Decision(
                 self.num_draft, "K fixed") if self.num_draft is not None else self._decide(keys, drafters, drafts, most))
-            self.spent += time.perf_counter() - tic
+            self.spent = (self.spent or 0.0) + time.perf_counter() - tic
         self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
@@ -223,11 +222,12 @@ class Policy:
                odds: dict | None = None) -> None:
         """A round's outcome: each row's K and drafts kept (a tree: its depth and path), in `seconds` (all of it);
         `steady`: a plain round costing what plain decoding does; `odds`: row -> the odds of its drafter's guess."""
-        c, k, held = self._costs(len(keys)), max(ks), self.decided[1]
-        seconds, spent = distributed.rank0_times(seconds, self.spent)  # the same choices on every rank
-        if held:  # a plain choice stands for rounds while deciding anew would cost more than EXPLORE of them
-            held.hold = (min(held.hold, max(1, round(spent / (EXPLORE * seconds)))) if spent else held.hold) - 1
-        self.decided, self.spent = self.decided if held and not k and held.hold > 0 else (None, None), 0.0
+        c, k, stood = self._costs(len(keys)), max(ks), self.decided[1]
+        seconds, spent = distributed.rank0_times(seconds, self.spent or 0.0)  # the same choices on every rank
+        if stood:  # a plain choice stands for rounds while deciding anew would cost more than EXPLORE of them
+            rounds = stood.hold if self.spent is None else max(1, round(spent / EXPLORE / seconds))
+            stood.hold = min(stood.hold, rounds) - 1
+        self.decided, self.spent = self.decided if stood and not k and stood.hold > 0 else (None, None), None
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time, once
             if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)
                 extra = max(seconds - c.curve(k)[k], 0.0)
