@@ -76,11 +76,13 @@ class DraftModel(RowStates):
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         # The cache holds the old context and the draft but its last token; the drafted tokens the
-        # target accepted are the context's next ones (all but the round's last token).
+        # target accepted are the context's next ones (all but the round's last token). With no draft
+        # written it holds context alone: nothing to compare (at 8k tokens that was 0.4 ms a plain round).
+        if not self.drafted[b]:
+            return
         base = self.base[b]
-        if self.drafted[b]:
-            self.cached[b].extend(context[base : base + min(self.drafted[b], len(context) - 1 - base)])
-            self.drafted[b] = 0
+        self.cached[b].extend(context[base : base + min(self.drafted[b], len(context) - 1 - base)])
+        self.drafted[b] = 0
         n = common_prefix(self.cached[b][base:], context[base:])
         self._keep(b, min(base + n, len(context) - 1))
 
