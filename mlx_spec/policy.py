@@ -17,7 +17,7 @@ where tiles fall: each K that would pay is run), past them on their least-square
 token before two are), or off its one round where cheaper. A batch size met first borrows the nearest one's times,
 scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on (two at first); the first
 drafting round after them is a switch, whose extra probes weigh. A plain choice stands while deciding anew would cost
-more than EXPLORE of the rounds' time (`Decision.hold`).
+more than EXPLORE of the rounds' time, to its probe where nothing else could change it (`Decision.hold`).
 
 Exploration: a row decoding plainly learns nothing of its drafts: what it knew fades toward its drafter's pool (a bad
 patch passes), and it probes at its best K measured (a line may read one never run cheaper than it is) as far apart as
@@ -66,13 +66,12 @@ class Acceptance:
             out.append((self.accepted[i] + p) / (self.reached[i] + 1) if i < len(self.reached) else p)
         return out + (prior[len(out):k] if prior else [out[-1] if out else PRIOR] * (k - len(out)))
 
-    def fade(self, decay: float) -> None:
-        self.accepted, self.reached = [a * decay for a in self.accepted], [r * decay for r in self.reached]
+    def fade(self, w: float, k: int = 0) -> None:  # counts weigh w as much, for k positions at least
+        self.accepted, self.reached = ([x * w for x in v] + [0.0] * (k - len(v)) for v in (self.accepted, self.reached))
 
     def update(self, k: int, n: float, decay: float) -> None:
         """A round of k drafts kept n (a guess: k = 1)."""
-        self.fade(decay)
-        self.accepted, self.reached = (v + [0.0] * (k - len(v)) for v in (self.accepted, self.reached))
+        self.fade(decay, k)
         for i in range(min(k, int(n) + 1)):  # position i is reached when the i before it were kept
             self.reached[i], self.accepted[i] = self.reached[i] + 1, self.accepted[i] + min(n - i, 1.0)
 
@@ -136,6 +135,7 @@ class Decision:
     tokens: list[float] = field(default_factory=list)  # E(K) summed over the rows, K = 0..most
     seconds: list[float] = field(default_factory=list)  # T(K)
     hold: float = 0  # rounds it may stand, plain (to its probe): as many as keep deciding at EXPLORE of their time
+    sure: bool = False  # all of them: nothing but its probe could change it
 
     def __str__(self) -> str:
         k, e, t = self.weighed, self.tokens, self.seconds
@@ -186,12 +186,13 @@ class Policy:
         c = self._costs(len(keys))
         if (c.times or c.first) and len(c.times.get(0, ())) < 2:  # a first round drafts on what is assumed; then two
             return Decision(0, "timing plain rounds")  # plain rounds are timed, queued (their least: one may compile)
-        tokens, pools = [float(len(keys) - sum(drafts))] * (most + 1), {}  # a row not drafting: a token; pools' rates
-        for key, d in ((key, d) for key, d, on in zip(keys, drafters, drafts) if on):
-            if (owner := self.owner.setdefault(key, id(d.lineage))) not in pools:  # a row against its drafter's pool
-                pools[owner] = self.pooled.setdefault(owner, Acceptance()).rates(most)
-            rates = self.rows.setdefault(key, Acceptance()).rates(most, pools[owner])
+        tokens = high = [float(len(keys) - sum(drafts))] * (most + 1)  # a row not drafting: a token; `high`: E(K) as
+        pool = cache(lambda owner: self.pooled.setdefault(owner, Acceptance()).rates(most))  # high as rows' rates may
+        for key, d in ((key, d) for key, d, on in zip(keys, drafters, drafts) if on):  # fade to, toward their pools
+            prior = pool(self.owner.setdefault(key, id(d.lineage)))  # (a position's: at most its, the pool's or
+            rates = self.rows.setdefault(key, Acceptance()).rates(most, prior)  # a position's before); a row against
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
+            high = [a + b for a, b in zip(high, tokens_by_k(accumulate(map(max, rates, prior), max)))]  # its pool's
         seconds = c.curve(most, known := {0: (1.0, 1), **c.known()})
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
@@ -200,16 +201,15 @@ class Policy:
             k = max(untried, key=rate.__getitem__, default=best)  # once: a dip the line misses, where tiles fall)
             return Decision(k, "drafting pays" + "; trying a length not run yet" * (k != best), k, tokens, seconds)
         best = max([j for j in known if 0 < j <= most] or range(1, most + 1), key=rate.__getitem__)  # K measured
-        if all(d.guesses for d, on in zip(drafters, drafts) if on):
+        if all(guessing := [d.guesses for d, on in zip(drafters, drafts) if on]):
             return Decision(0, "drafting does not pay; plain rounds weigh guesses", best, tokens, seconds, float("inf"))
-        # A probe loses its round's time and the switch beyond its tokens (as its K's rounds read, where dearer: one
-        dear = max(seconds[best] + (c.switch or 0.0), known.get(best, (0.0, 0))[0])  # may have compiled, probes wait)
-        loss = max(dear - tokens[best] / tokens[0] * seconds[0], 0.0)  # probes lose EXPLORE, a dear one seldom
-        every = max(1, round(loss / (EXPLORE * seconds[0])))
-        why = f"a probe every {every} plain rounds"
+        dear = max(seconds[best] + (c.switch or 0.0), known.get(best, (0.0, 0))[0])  # a probe loses its round's time
+        loss = max(dear - tokens[best] / tokens[0] * seconds[0], 0.0)  # and switch beyond its tokens, as its K's rounds
+        why = f"a probe every {(every := max(1, round(loss / (EXPLORE * seconds[0]))))} plain rounds"  # read if dearer
         if c.plain_rounds >= every:
             return Decision(best, why, best, tokens, seconds)
-        return Decision(0, "drafting does not pay; " + why, best, tokens, seconds, every - c.plain_rounds)
+        sure = not any(guessing) and max(e / t for e, t in zip(high, seconds)) <= rate[0] * MARGIN  # (a guess: news)
+        return Decision(0, "drafting does not pay; " + why, best, tokens, seconds, every - c.plain_rounds, sure)
 
     def _costs(self, B: int) -> Costs:
         """Batch size B's; one met first borrows the nearest measured (`Costs.known` scales them)."""
@@ -225,7 +225,7 @@ class Policy:
         c, k, stood = self._costs(len(keys)), max(ks), self.decided[1]
         seconds, spent = distributed.rank0_times(seconds, self.spent or 0.0)  # the same choices on every rank
         if stood:  # a plain choice stands for rounds while deciding anew would cost more than EXPLORE of them
-            rounds = stood.hold if self.spent is None else max(1, round(spent / EXPLORE / seconds))
+            rounds = stood.hold if self.spent is None or stood.sure else max(1, round(spent / EXPLORE / seconds))
             stood.hold = min(stood.hold, rounds) - 1
         self.decided, self.spent = self.decided if stood and not k and stood.hold > 0 else (None, None), None
         if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time, once

@@ -25,41 +25,36 @@ class SuffixTrie:
         self.max_depth = max_depth
         self.child: dict[tuple[int, int], int] = {}  # (node, token) -> node
         self.count = [0]  # occurrences of the node's substring
-        self.depth = [0]
         self.continuations = [0]  # occurrences that were followed by a token
         self.best = [-1]  # most frequent child node, -1 if none
         self.best_token = [-1]
 
     def append(self, active: list[int], token: int) -> list[int]:
-        """Count `token` after a document's suffixes (`active`: their nodes, by
-        depth; `[0]` for a new document); returns the suffixes it ends with."""
+        """Count `token` after a document's suffixes (`active`: their nodes, `active[i]` the suffix of i tokens;
+        `[0]` for a new document); returns the suffixes it ends with. (Every token of new text makes a node for
+        each of its suffixes: this runs a round for every row, its lists bound to locals.)"""
+        child_of, count, continuations, best, best_token = (self.child, self.count, self.continuations, self.best,
+                                                              self.best_token)
         grown = [0]
-        for node in active:
-            if self.depth[node] >= self.max_depth:
-                continue
-            key = (node, token)
-            child = self.child.get(key)
+        for node in active[: self.max_depth]:  # a suffix of max_depth tokens grows no longer
+            child = child_of.get((node, token))
             if child is None:
-                child = self.child[key] = len(self.count)
-                self.count.append(0)
-                self.depth.append(self.depth[node] + 1)
-                self.continuations.append(0)
-                self.best.append(-1)
-                self.best_token.append(-1)
-            self.count[child] += 1
-            self.continuations[node] += 1
-            best = self.best[node]
-            if best < 0 or self.count[child] > self.count[best]:
-                self.best[node], self.best_token[node] = child, token
+                child = child_of[(node, token)] = len(count)
+                count.append(1), continuations.append(0), best.append(-1), best_token.append(-1)
+            else:
+                count[child] += 1
+            continuations[node] += 1
+            if best[node] < 0 or count[child] > count[best[node]]:
+                best[node], best_token[node] = child, token
             grown.append(child)
         return grown
 
-    def longest_match(self, active: list[int]) -> int:
-        """The deepest of a document's suffix nodes that has a continuation."""
-        for node in reversed(active):
-            if self.best[node] >= 0:
-                return node
-        return 0
+    def longest_match(self, active: list[int]) -> tuple[int, int]:
+        """The deepest of a document's suffix nodes that has a continuation, and its depth ((0, 0) if none)."""
+        for depth in range(len(active) - 1, 0, -1):
+            if self.best[active[depth]] >= 0:
+                return active[depth], depth
+        return 0, 0
 
     def match(self, seq: list[int]) -> int:
         """The deepest node for a suffix of `seq` that has a continuation (0 if none)."""
@@ -111,8 +106,8 @@ class SuffixDecoding(HostDrafter):
 
     def _draft(self, b: int, context: list[int], k: int) -> list[int]:
         trie = self.trie
-        node = trie.longest_match(self.states[b][0])
-        limit = min(k, int(self.alpha * trie.depth[node]))
+        node, depth = trie.longest_match(self.states[b][0])
+        limit = min(k, int(self.alpha * depth))
         tail = context[-trie.max_depth :]
         tokens: list[int] = []
         prob = 1.0
