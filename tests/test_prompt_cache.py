@@ -71,11 +71,12 @@ def hybrid(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("case", ["draft model", "draft model, exact", "eagle3", "hybrid"])
+@pytest.mark.parametrize("case", ["draft model", "draft model, exact", "eagle3", "hybrid", "suffix"])
 def test_the_next_turn_reads_only_its_new_tokens(case, hybrid):
-    """(Under --exact, the answer with the cache is the one without, bit for bit.)"""
+    """(Under --exact, the answer with the cache is the one without, bit for bit. Suffix decoding: the row
+    handed over counts on in the trie its suffixes are nodes of.)"""
     model, drafter = {"draft model": ("demo", "draft"), "draft model, exact": ("demo", "draft"),
-                      "eagle3": ("demo", "eagle3"), "hybrid": (hybrid, "lookup")}[case]
+                      "eagle3": ("demo", "eagle3"), "hybrid": (hybrid, "lookup"), "suffix": ("demo", "suffix")}[case]
     exact = {"exact": True} if case.endswith("exact") else {}
     target = api.load(model)
     rng = np.random.default_rng(0)

@@ -319,3 +319,22 @@ def test_copying_target_gets_several_tokens_per_forward(copy_model, kind):
         for e in events:
             metrics.add(e)
     assert metrics.tau >= 3.0, metrics.tau
+
+
+def test_suffix_decodings_trie_is_bounded_and_drafts_again_after_it_starts_anew():
+    """A server's session counts every request it serves: past `max_nodes` it starts again from the rows in
+    flight, each counting its context anew at its next commit, and drafts from them as before."""
+    rng = np.random.default_rng(0)
+    drafter = SuffixDecoding(max_nodes=2000)
+    drafter.add()
+    most = 0
+    for _ in range(6):  # documents of new text, one after another in one row
+        context = [int(t) for t in rng.integers(0, 5000, 100)]
+        drafter.restart(0, context)
+        most = max(most, len(drafter.trie.count))
+    assert most <= 2000 + 100 * 24  # at most one commit's nodes past the bound
+    pattern = [int(t) for t in rng.integers(0, 5000, 8)]
+    context = context + pattern * 3
+    drafter.commit(0, context)  # crosses the bound (or not): either way the row drafts the pattern on
+    drafter.commit(0, context)  # (a new trie: its context counted anew at this commit)
+    assert drafter.propose_row(0, context, 4, GREEDY).tokens.tolist() == pattern[:4]

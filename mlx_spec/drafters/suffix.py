@@ -7,6 +7,11 @@ before with a continuation, then follow the most frequent continuation while
 the estimated probability that the whole draft is right stays above
 `min_prob`, and for at most `alpha` times the match length: a long match
 is strong evidence, a one-token match is weak.
+
+New text makes a node for each of its suffixes (about 4 KB of Python objects
+a token): a session that has counted `max_nodes` (a server's, over many
+requests) starts again from the rows it has in flight, each counting its own
+context anew at its next commit.
 """
 
 from __future__ import annotations
@@ -76,15 +81,21 @@ class SuffixDecoding(HostDrafter):
     guesses = True
     k_max = 16  # a copy costs nothing to draft: only the verification grows with it
 
-    def __init__(self, max_depth: int = 24, alpha: float = 2.0, min_prob: float = 0.1):
+    def __init__(self, max_depth: int = 24, alpha: float = 2.0, min_prob: float = 0.1, max_nodes: int = 1 << 20):
         super().__init__()
         if max_depth < 2 or alpha <= 0 or not 0 <= min_prob < 1:
             raise UserError("--drafter suffix: need max_depth >= 2, alpha > 0, 0 <= min_prob < 1")
         self.trie = SuffixTrie(max_depth)
-        self.alpha, self.min_prob = alpha, min_prob
+        self.alpha, self.min_prob, self.max_nodes = alpha, min_prob, max_nodes  # (about 160 MB at the default)
+        self.counted = 0  # tokens the trie has counted
 
     def _session(self) -> SuffixDecoding:
-        return SuffixDecoding(self.trie.max_depth, self.alpha, self.min_prob)
+        return SuffixDecoding(self.trie.max_depth, self.alpha, self.min_prob, self.max_nodes)
+
+    def split(self, b: int) -> None:
+        # A row's suffixes are nodes of this session's trie, which a session of its own would not hold; and a row
+        # that starts again counts its prompt anew (`restart`): the server's prompt cache keeps no session of it.
+        return None
 
     def restart(self, b: int, prompt: list[int], cached: int = 0) -> int:
         # Earlier generations of the session stay in the trie: a new document starts.
@@ -96,7 +107,10 @@ class SuffixDecoding(HostDrafter):
         active, seen = self.states[b]
         for token in context[seen:]:
             active = self.trie.append(active, token)
-        self.states[b] = (active, len(context))
+        self.states[b], self.counted = (active, len(context)), self.counted + len(context) - seen
+        if len(self.trie.count) > self.max_nodes and self.counted > sum(n for _, n in self.states):  # (more than
+            self.trie, self.counted = SuffixTrie(self.trie.max_depth), 0  # the rows in flight): they count their
+            self.states = [([0], 0) for _ in self.states]  # contexts anew, in a new trie, at their next commits
 
     def propose_row(self, b: int, context: list[int], k: int, params: SamplingParams) -> Draft:
         return Draft(mx.array(self._draft(b, context, k), dtype=mx.int32))
