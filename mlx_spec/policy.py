@@ -190,9 +190,9 @@ class Policy:
         pool = cache(lambda owner: self.pooled.setdefault(owner, Acceptance()).rates(most))  # high as rows' rates may
         for key, d in ((key, d) for key, d, on in zip(keys, drafters, drafts) if on):  # fade to, toward their pools
             prior = pool(self.owner.setdefault(key, id(d.lineage)))  # (a position's: at most its, the pool's or
-            rates = self.rows.setdefault(key, Acceptance()).rates(most, prior)  # a position's before); a row against
+            rates = self.rows.setdefault(key, Acceptance()).rates(most, prior)  # a position's before); a row's rates
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
-            high = [a + b for a, b in zip(high, tokens_by_k(accumulate(map(max, rates, prior), max)))]  # its pool's
+            high = [a + b for a, b in zip(high, tokens_by_k(accumulate(map(max, rates, prior), max)))]  # by its pool's
         seconds = c.curve(most, known := {0: (1.0, 1), **c.known()})
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
