@@ -46,7 +46,7 @@ RECENT = 8  # round times kept per K: their median is the estimate (a round spik
 TRUSTED = 3  # rounds at a K before their median stands for it (one spike among them is outvoted); two: their least
 SLOPE = 0.1  # what a drafted token adds to a round, in plain rounds, until two lengths are measured
 MARGIN = 1.05  # more throughput drafting must promise to start (a switch costs; estimates are noisy)
-EXPLORE = 0.01  # share of plain decoding's time that probes may be expected to lose
+EXPLORE = 0.005  # share of plain decoding's time probes may be expected to lose (deciding anew, as much)
 
 
 @dataclass
