@@ -222,7 +222,7 @@ class Decoder:
         events = {}
         for b, (r, draft, row_drafted, (path, token)) in enumerate(zip(rows, drafts, drafted, results)):
             new, at = [row_drafted[i] for i in path] + [token], [0] + [i + 1 for i in path]
-            self._commit(b, r, new, hidden, capture, mx.array(at))
+            self._commit(r, new, lambda i, b=b, at=mx.array(at): hidden[capture.index(i)][b : b + 1, at])
             depth = None if draft.parents is None else max(tree.depths(draft.parents), default=0)
             events[r.key] = StepEvent(new, [True] * len(path) + [False], row_drafted, dispatched - tic,
                                       verified - dispatched, depth, read_logprobs(asked, b, at, new), why=why)
@@ -297,8 +297,9 @@ class Decoder:
         tokens, asked = host.read(y, asked)  # the round's one wait
         toc = time.perf_counter()
         events = {}
+        split = [mx.split(h, len(rows)) if len(rows) > 1 else [h] for h in hidden]  # each row's [1, 1, F], at once
         for b, (r, token) in enumerate(zip(rows, tokens)):
-            self._commit(b, r, [token], hidden, capture)
+            self._commit(r, [token], lambda i, b=b: split[capture.index(i)][b])
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic,
                                       logprobs=read_logprobs(asked, b, [0], [token]), why=why)
         # What drafting must beat is plain decoding going on: a round queued that queues the next (or one
@@ -328,14 +329,13 @@ class Decoder:
         return y, hidden, gather(self.rows, lambda b: logits[b])
 
     @staticmethod
-    def _commit(b: int, r: Row, tokens: list[int], hidden: tuple, capture: tuple, at=slice(None)) -> None:
-        """Row b takes its round's tokens; its drafter hears them, with the target's features `at` them."""
+    def _commit(r: Row, tokens: list[int], features: Callable[[int], mx.array]) -> None:
+        """Row r takes its round's tokens; its drafter hears them, with the target's features at them (`features`:
+        a captured layer -> the row's `[1, n, F]`)."""
         r.context.extend(tokens)
         r.produced += len(tokens)
         if r.drafter is not None:
-            whole = isinstance(at, slice) and all(h.shape[0] == 1 for h in hidden)  # a batch of one's plain round
-            features = (hidden[capture.index(i)] for i in r.drafter.capture)
-            r.drafter.commit(r.slot, r.context, tuple(h if whole else h[b : b + 1, at] for h in features))
+            r.drafter.commit(r.slot, r.context, tuple(map(features, r.drafter.capture)))
 
     def _capture(self) -> tuple[int, ...]:
         """The target's hidden states the rows' drafters read, each index once."""
