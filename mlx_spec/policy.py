@@ -170,11 +170,11 @@ class Policy:
         self.rows.pop(key, None), self.owner.pop(key, None)
 
     def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
-        """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its
-        drafter has nothing to draft this round). No effect: asking again gives the same answer."""
-        drafts = [d is not None and not (empty and empty[b]) and rooms[b] > 0 for b, d in enumerate(drafters)]
+        """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its drafter
+        has nothing this round). No effect: asking again gives the same; a plain choice stands whatever `empty` says."""
+        drafts = [max(rooms[b], 0) if d is not None and not (empty and empty[b]) else 0 for b, d in enumerate(drafters)]
         most = self.k_max or max((d.k_max for d in drafters if d is not None), default=0)
-        if self.decided[0] != (asked := (tuple(keys), tuple(drafts), most)):
+        if self.decided[0] != (asked := (tuple(keys), most)):
             tic = time.perf_counter()
             self.decided = (asked, Decision(0, "nothing to draft") if not any(drafts) else Decision(
                 self.num_draft, "K fixed") if self.num_draft is not None else self._decide(keys, drafters, drafts, most))
@@ -182,17 +182,17 @@ class Policy:
         self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
-    def _decide(self, keys: list, drafters: list, drafts: list[bool], most: int) -> Decision:
+    def _decide(self, keys: list, drafters: list, drafts: list[int], most: int) -> Decision:  # drafts: each row's room
         c = self._costs(len(keys))
         if (c.times or c.first) and len(c.times.get(0, ())) < 2:  # a first round drafts on what is assumed; then two
             return Decision(0, "timing plain rounds")  # plain rounds are timed, queued (their least: one may compile)
-        tokens = high = [float(len(keys) - sum(drafts))] * (most + 1)  # a row not drafting: a token; `high`: E(K) as
+        tokens = high = [float(drafts.count(0))] * (most + 1)  # a row not drafting: a token; `high`: E(K) as
         pool = cache(lambda owner: self.pooled.setdefault(owner, Acceptance()).rates(most))  # high as rows' rates may
-        for key, d in ((key, d) for key, d, on in zip(keys, drafters, drafts) if on):  # fade to, toward their pools
-            prior = pool(self.owner.setdefault(key, id(d.lineage)))  # (a position's: at most its, the pool's or
-            rates = self.rows.setdefault(key, Acceptance()).rates(most, prior)  # a position's before); a row's rates
-            tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates))]
-            high = [a + b for a, b in zip(high, tokens_by_k(accumulate(map(max, rates, prior), max)))]  # by its pool's
+        for key, d, room in ((key, d, on) for key, d, on in zip(keys, drafters, drafts) if on):  # fade to, toward
+            prior = pool(self.owner.setdefault(key, id(d.lineage)))  # their pools (a position's: at most its, the
+            rates = self.rows.setdefault(key, Acceptance()).rates(most, prior)  # pool's or the one before's)
+            tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates[:room] + [0.0] * (most - room)))]  # to its room
+            high = [a + b for a, b in zip(high, tokens_by_k(accumulate(map(max, rates, prior), max)))]
         seconds = c.curve(most, known := {0: (1.0, 1), **c.known()})
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
