@@ -182,7 +182,7 @@ class Policy:
         self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
-    def _decide(self, keys: list, drafters: list, drafts: list[int], most: int) -> Decision:  # drafts: each row's room
+    def _decide(self, keys: list, drafters: list, drafts: list[int], most: int) -> Decision:  # drafts: rooms, 0: none
         c = self._costs(len(keys))
         if (c.times or c.first) and len(c.times.get(0, ())) < 2:  # a first round drafts on what is assumed; then two
             return Decision(0, "timing plain rounds")  # plain rounds are timed, queued (their least: one may compile)
