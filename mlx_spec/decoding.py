@@ -62,6 +62,7 @@ class Row:
     produced: int = 0
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     cached: int = 0  # prompt tokens whose keys and values it started with (not read by its prefill)
+    unread: int = 0  # tokens its drafter, one that runs a model, has not read: plain rounds' since it drafted
 
 
 class Decoder:
@@ -133,8 +134,8 @@ class Decoder:
                 def consume(end, hidden):
                     own.commit(slot, context[: cached + end + 1], hidden)
         prefill(self.model, prompt[cached:-1], single, capture, consume)
-        if drafter is not None and drafter.costly:
-            own.catch_up([context])
+        if drafter is not None and drafter.costly:  # what a token read costs it (as it reads after plain rounds)
+            self._catch_up(own, [context])
         if own is not drafter:
             drafter.join(own)
         if not self.rows:
@@ -180,21 +181,22 @@ class Decoder:
         empty = [guesses.get(b, 0) is None for b in range(len(rows))]  # its drafter finds nothing to draft
         if self.queued is not None:  # a round queued is taken (its forward is under way), as the choice that queued
             return self._plain_step(guesses, empty, self.policy.last)  # it said: one made on later news waits a round
-        ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],
-                                [max(r.max_tokens - r.produced - 1, 0) for r in rows], empty)  # a round adds one token
+        ks = self.policy.choose([r.key for r in rows], [r.drafter for r in rows],  # a round adds one token
+                                [max(r.max_tokens - r.produced - 1, 0) for r in rows], empty, [r.unread for r in rows])
         why = self.policy.last
         if not any(ks):
             return self._plain_step(guesses, empty, why)
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
+        groups = {id(d): (d, sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is d))
+                  for d in (r.drafter for r in rows if r.drafter is not None)}  # each drafter, its rows by slot
+        groups = [(d, m) for d, m in groups.values() if max(ks[b] for _, b in m)]  # the others: a plain round
+        for drafter, members in groups:
+            if any(rows[b].unread for _, b in members):  # plain rounds came before: it reads what they committed first
+                self._catch_up(drafter, [rows[b].context for _, b in members])
         tic = time.perf_counter()
         drafts: list[Draft] = [EMPTY()] * len(rows)
-        drafters = {id(r.drafter): r.drafter for r in rows if r.drafter is not None}
-        for drafter in drafters.values():
-            members = sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is drafter)
-            k = max(ks[b] for _, b in members)
-            if k == 0:
-                continue  # a plain round for its rows: it reads what it missed when it next drafts
+        for drafter, members in groups:
             proposed = drafter.propose([rows[b].context for _, b in members], [ks[b] for _, b in members],
                                        [rows[b].params for _, b in members])
             for (_, b), draft in zip(members, proposed):
@@ -291,7 +293,7 @@ class Decoder:
         keys, drafters = [r.key for r in rows], [r.drafter for r in rows]
         rooms = [r.max_tokens - r.produced - 2 for r in rows]
         self.queued = None
-        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty)):
+        if min(rooms) >= 0 and not any(self.policy.choose(keys, drafters, rooms, empty, [r.unread for r in rows])):
             self.queued = self._plain_forward(y[:, None], capture)
             mx.async_eval(self.queued[0])
         tokens, asked = host.read(y, asked)  # the round's one wait
@@ -299,7 +301,7 @@ class Decoder:
         events = {}
         split = [mx.split(h, len(rows)) if len(rows) > 1 else [h] for h in hidden]  # each row's [1, 1, F], at once
         for b, (r, token) in enumerate(zip(rows, tokens)):
-            self._commit(r, [token], lambda i, b=b: split[capture.index(i)][b])
+            self._commit(r, [token], lambda i, b=b: split[capture.index(i)][b], read=False)
             events[r.key] = StepEvent([token], [False], verify_time=toc - tic,
                                       logprobs=read_logprobs(asked, b, [0], [token]), why=why)
         # What drafting must beat is plain decoding going on: a round queued that queues the next (or one
@@ -329,13 +331,22 @@ class Decoder:
         return y, hidden, gather(self.rows, lambda b: logits[b])
 
     @staticmethod
-    def _commit(r: Row, tokens: list[int], features: Callable[[int], mx.array]) -> None:
+    def _commit(r: Row, tokens: list[int], features: Callable[[int], mx.array], read: bool = True) -> None:
         """Row r takes its round's tokens; its drafter hears them, with the target's features at them (`features`:
-        a captured layer -> the row's `[1, n, F]`)."""
+        a captured layer -> the row's `[1, n, F]`); `read`: it drafted this round (else one that runs a model has
+        one token more to read when it next drafts)."""
         r.context.extend(tokens)
         r.produced += len(tokens)
+        r.unread = 0 if read else r.unread + (r.drafter is not None and r.drafter.costly)
         if r.drafter is not None:
             r.drafter.commit(r.slot, r.context, tuple(map(features, r.drafter.capture)))
+
+    def _catch_up(self, drafter: Drafter, contexts: list[list[int]]) -> None:
+        """The drafter reads what its rows committed and it has not (a prompt; plain rounds' tokens), timed apart:
+        what a token read costs is what the policy weighs drafting after plain rounds by."""
+        tic = time.perf_counter()
+        if read := drafter.catch_up(contexts):
+            self.policy.read(read, time.perf_counter() - tic)
 
     def _capture(self) -> tuple[int, ...]:
         """The target's hidden states the rows' drafters read, each index once."""

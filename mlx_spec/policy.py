@@ -13,11 +13,11 @@ picks the K with the most tokens a second,
 and drafts where K* promises MARGIN more than plain decoding (once drafting, while it promises more at all). T_B(K) is
 the median of the last rounds at K (of two, their least: one may compile); a K run less is read linearly between the
 lengths run twice (a GPU's verification steps up from one token to two, then rises little; a CPU's rises, with dips
-where tiles fall: each K that would pay is run), past them on their least-squares line (SLOPE plain rounds a drafted
+where tiles fall: each K that pays MARGIN is run), past them on their least-squares line (SLOPE plain rounds a drafted
 token before two are), or off its one round where cheaper. A batch size met first borrows the nearest one's times,
-scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on (two at first); the first
-drafting round after them is a switch, whose extra probes weigh. A plain choice stands while deciding anew would cost
-more than EXPLORE of the rounds' time, to its probe where nothing else could change it (`Decision.hold`).
+scaled as its own rounds compare. Plain rounds are timed queued, as plain decoding goes on (two at first); drafting
+after them, a drafter that runs a model first reads what they committed, at its reads' cost (`read`). A plain choice
+stands while deciding anew would cost more than EXPLORE of the rounds' time, to its probe (`Decision.hold`).
 
 Exploration: a row decoding plainly learns nothing of its drafts: what it knew fades toward its drafter's pool (a bad
 patch passes), and it probes at its best K measured (a line may read one never run cheaper than it is) as far apart as
@@ -69,8 +69,7 @@ class Acceptance:
     def fade(self, w: float, k: int = 0) -> None:  # counts weigh w as much, for k positions at least
         self.accepted, self.reached = ([x * w for x in v] + [0.0] * (k - len(v)) for v in (self.accepted, self.reached))
 
-    def update(self, k: int, n: float, decay: float) -> None:
-        """A round of k drafts kept n (a guess: k = 1)."""
+    def update(self, k: int, n: float, decay: float) -> None:  # a round of k drafts kept n (a guess: k = 1)
         self.fade(decay, k)
         for i in range(min(k, int(n) + 1)):  # position i is reached when the i before it were kept
             self.reached[i], self.accepted[i] = self.reached[i] + 1, self.accepted[i] + min(n - i, 1.0)
@@ -86,7 +85,6 @@ class Costs:
     """Measured whole-round times at one batch size, by K, and where its decoding stands."""
 
     times: dict[int, deque] = field(default_factory=dict)  # K -> the last RECENT rounds' seconds
-    switch: float | None = None  # what a switch round costs beyond its K's round (seconds, running mean)
     drafting: bool = False  # the last round drafted
     plain_rounds: int = 0  # plain rounds since the last that drafted
     borrowed: dict[int, float] = field(default_factory=dict)  # K -> the nearest batch size's T(K), when this met first
@@ -101,9 +99,9 @@ class Costs:
             own[k][0] / t for k, t in self.borrowed.items() if k in own] or [1.0]
         return {**{k: (t * median(ratios), 1) for k, t in self.borrowed.items()}, **own}
 
-    def curve(self, most: int, known: dict | None = None) -> list[float]:
-        """T(K) for K = 0..most in seconds (plain rounds before any is timed): as its rounds say once two ran, switch
-        rounds too; else off the lengths `known` (K = 0: plain; those run twice, if any is), or its one round, less."""
+    def curve(self, most: int, known: dict | None = None, late: float = 0.0) -> list[float]:
+        """T(K) for K = 0..most in seconds (plain rounds before any is timed), K > 0 `late` more: as its rounds say once
+        two ran, switch rounds too; else off the lengths `known` (K = 0: plain; those run twice) or its round, less."""
         known = known or {0: (1.0, 1), **self.known()}
         ran, points = self.times | self.first, known  # its one round says where it is cheaper (a first may compile)
         if any(j and p[1] > 1 for j, p in known.items()):  # than the lengths run twice and those borrowed, if any
@@ -121,7 +119,7 @@ class Costs:
                 line = known[k][0] if k in self.borrowed else points[below][0] + SLOPE * points[0][0] * (k - below)
             else:  # the least-squares slope of the lengths measured but K, each weighed by its rounds
                 line = points[below][0] + slope(k if k in points else None) * (k - below)
-            out.append(min(known.get(k, (float("inf"), 0))[0], max(line, points[0][0])))
+            out.append(min(known.get(k, (float("inf"), 0))[0], max(line, points[0][0])) + late)
         return out
 
 
@@ -155,6 +153,7 @@ class Policy:
         self.last: Decision | None = None
         self.decided: tuple = (None, None)  # (what was asked, the decision): the decoder asks twice, a plain one holds
         self.spent: float | None = None  # seconds deciding this round (None: what stood was taken)
+        self.reads = [0.0, 0.0]  # tokens its drafters read (prompts, what plain rounds committed) and seconds, decayed
 
     @classmethod
     def remembered(cls, drafter, params: SamplingParams, k_max: int | None = None,
@@ -169,20 +168,24 @@ class Policy:
     def forget(self, key) -> None:
         self.rows.pop(key, None), self.owner.pop(key, None)
 
-    def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None) -> list[int]:
-        """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its drafter
-        has nothing this round). No effect: asking again gives the same; a plain choice stands whatever `empty` says."""
+    def read(self, tokens: int, seconds: float) -> None:  # a drafter read a prompt, or what plain rounds committed
+        self.reads = [DECAY * self.reads[0] + tokens, DECAY * self.reads[1] + distributed.rank0_times(seconds)[0]]
+
+    def choose(self, keys: list, drafters: list, rooms: list[int], empty: list[bool] | None = None,
+               unread: list[int] | None = None) -> list[int]:
+        """K for each row (`rooms`: the most it may draft; `drafters[b]` None: it does not; `empty[b]`: its drafter has
+        nothing this round; `unread[b]`: tokens it reads first). Asking again gives the same; a plain choice stands."""
         drafts = [max(rooms[b], 0) if d is not None and not (empty and empty[b]) else 0 for b, d in enumerate(drafters)]
         most = self.k_max or max((d.k_max for d in drafters if d is not None), default=0)
         if self.decided[0] != (asked := (tuple(keys), most)):
-            tic = time.perf_counter()
+            tic, fixed = time.perf_counter(), self.num_draft is not None
             self.decided = (asked, Decision(0, "nothing to draft") if not any(drafts) else Decision(
-                self.num_draft, "K fixed") if self.num_draft is not None else self._decide(keys, drafters, drafts, most))
+                self.num_draft, "K fixed") if fixed else self._decide(keys, drafters, drafts, most, sum(unread or ())))
             self.spent = (self.spent or 0.0) + time.perf_counter() - tic
         self.last = self.decided[1]
         return [min(self.last.k, rooms[b], self.k_max or d.k_max) if drafts[b] else 0 for b, d in enumerate(drafters)]
 
-    def _decide(self, keys: list, drafters: list, drafts: list[int], most: int) -> Decision:  # drafts: rooms, 0: none
+    def _decide(self, keys: list, drafters: list, drafts: list[int], most: int, unread: int) -> Decision:
         c = self._costs(len(keys))
         if (c.times or c.first) and len(c.times.get(0, ())) < 2:  # a first round drafts on what is assumed; then two
             return Decision(0, "timing plain rounds")  # plain rounds are timed, queued (their least: one may compile)
@@ -193,26 +196,26 @@ class Policy:
             rates = self.rows.setdefault(key, Acceptance()).rates(most, prior)  # pool's or the one before's)
             tokens = [a + b for a, b in zip(tokens, tokens_by_k(rates[:room] + [0.0] * (most - room)))]  # to its room
             high = [a + b for a, b in zip(high, tokens_by_k(accumulate(map(max, rates, prior), max)))]
-        seconds = c.curve(most, known := {0: (1.0, 1), **c.known()})
+        late = unread * self.reads[1] / self.reads[0] if self.reads[0] else 0.0  # its drafters reading, first
+        seconds = c.curve(most, known := {0: (1.0, 1), **c.known()}, late)
         rate = [e / t for e, t in zip(tokens, seconds)]
         best = max(range(most + 1), key=rate.__getitem__)
-        if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run that would pay is tried
-            untried = [j for j in range(1, most + 1) if j not in c.times | c.first and rate[j] > rate[0] and c.drafting]
-            k = max(untried, key=rate.__getitem__, default=best)  # once: a dip the line misses, where tiles fall)
+        if rate[best] > rate[0] * (1.0 if c.drafting else MARGIN):  # (a K never run is tried once where it promises
+            untried = [j for j in range(1, most + 1) if j not in c.times | c.first and rate[j] > rate[0] * MARGIN]
+            k = max(untried * c.drafting, key=rate.__getitem__, default=best)  # MARGIN more: a dip the line misses)
             return Decision(k, "drafting pays" + "; trying a length not run yet" * (k != best), k, tokens, seconds)
         best = max([j for j in known if 0 < j <= most] or range(1, most + 1), key=rate.__getitem__)  # K measured
         if all(guessing := [d.guesses for d, on in zip(drafters, drafts) if on]):
             return Decision(0, "drafting does not pay; plain rounds weigh guesses", best, tokens, seconds, float("inf"))
-        dear = max(seconds[best] + (c.switch or 0.0), known.get(best, (0.0, 0))[0])  # a probe loses its round's time
-        loss = max(dear - tokens[best] / tokens[0] * seconds[0], 0.0)  # and switch beyond its tokens, as its K's rounds
+        dear = max(seconds[best], known.get(best, (0.0, 0))[0] + late)  # a probe loses its round's time, reading
+        loss = max(dear - tokens[best] / tokens[0] * seconds[0], 0.0)  # first, beyond its tokens (as its K's rounds
         why = f"a probe every {(every := max(1, round(loss / (EXPLORE * seconds[0]))))} plain rounds"  # read if dearer
         if c.plain_rounds >= every:
             return Decision(best, why, best, tokens, seconds)
         sure = not any(guessing) and max(e / t for e, t in zip(high, seconds)) <= rate[0] * MARGIN  # (a guess: news)
         return Decision(0, "drafting does not pay; " + why, best, tokens, seconds, every - c.plain_rounds, sure)
 
-    def _costs(self, B: int) -> Costs:
-        """Batch size B's; one met first borrows the nearest measured (`Costs.known` scales them)."""
+    def _costs(self, B: int) -> Costs:  # batch size B's; one met first borrows the nearest's (`Costs.known` scales)
         if B not in self.costs and self.costs:
             near = self.costs[min(self.costs, key=lambda b: abs(b - B) / b)]
             self.costs[B] = Costs(borrowed={k: t for k, (t, _) in near.known().items()})
@@ -228,11 +231,8 @@ class Policy:
             rounds = stood.hold if self.spent is None or stood.sure else max(1, round(spent / EXPLORE / seconds))
             stood.hold = min(stood.hold, rounds) - 1
         self.decided, self.spent = self.decided if stood and not k and stood.hold > 0 else (None, None), None
-        if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): its extra time, once
-            if c.times.get(0):  # plain rounds are timed (a first round's, weighed against none, read as free)
-                extra = max(seconds - c.curve(k)[k], 0.0)
-                c.switch = extra if c.switch is None else DECAY * c.switch + (1 - DECAY) * extra
-            c.first.setdefault(k, deque(maxlen=2)).append(seconds)  # they stand for K until rounds going on are timed
+        if k and not c.drafting:  # a switch (rows joined, or plain rounds came before): they stand for K until rounds
+            c.first.setdefault(k, deque(maxlen=2)).append(seconds)  # going on are timed
         elif k or steady:  # (a plain round's own time is not its cost but where plain rounds go on: the
             c.times.setdefault(k, deque(maxlen=RECENT)).append(seconds)  # first of a run also queued the next)
         c.drafting, c.plain_rounds = k > 0, 0 if k else c.plain_rounds + 1

@@ -252,8 +252,9 @@ def test_medusa_tree_flags(checkpoints, tmp_path, in_process):
 
 def test_bench_rows_and_json(checkpoints, tmp_path):
     path, draft = checkpoints["qwen3"], checkpoints["llama"]
+    # K fixed: the rows report what was drafted (on these random weights the policy would soon draft nothing)
     proc = run("bench", "--model", path, "--drafters", f"draft={draft},lookup", "--temps", "0", "1",
-               "--max-tokens", "8", "--repeats", "2", "--json")
+               "--max-tokens", "8", "--repeats", "2", "--num-draft", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["rows"]
     names = {r["name"] for r in rows}

@@ -147,6 +147,44 @@ def test_a_drafter_that_does_not_pay_is_not_tried_again_at_once(monkeypatch):
     assert len(next(events).drafted) == firsts[0]
 
 
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_a_drafter_reading_what_it_missed_tells_the_policy_what_that_cost(monkeypatch, target, checkpoints, kind):
+    """A drafter that runs a model reads a joining row's prompt, and the tokens plain rounds committed before it drafts
+    again: each read is timed apart and told to the policy (tokens, seconds), which weighs drafting again by it; the
+    policy is told how many tokens each row's drafter has not read; the rows stay exact."""
+    from mlx_spec.policy import Decision, Policy
+
+    reads, unread, rounds = [], [], []
+    monkeypatch.setattr(Policy, "read", lambda self, tokens, seconds: reads.append((tokens, seconds)))
+    monkeypatch.setattr(Policy, "record", lambda self, keys, ks, *a, **k: rounds.append(max(ks)))
+
+    def choose(self, keys, drafters, rooms, empty=None, behind=None):  # plain rounds, then K = 2
+        unread.append(sum(behind))
+        self.last = Decision(2 if len(rounds) >= 5 else 0, "scripted")
+        return [min(self.last.k, room) for room in rooms]
+
+    monkeypatch.setattr(Policy, "choose", choose)
+    if kind == "draft":
+        drafter = DraftModel(load_model(str(checkpoints["llama"]))[0], target.args.vocab_size)
+    else:
+        mx.random.seed(0)
+        net = EagleNet(eagle_config(target, 3))
+        mx.eval(net.parameters())
+        drafter = Eagle(net, target)
+    decoder, out = Decoder(target), {0: [], 1: []}
+    for key in (0, 1):
+        decoder.add(key, PROMPTS[key], GREEDY, 12, drafter)
+    assert [t for t, _ in reads] == [len(PROMPTS[0]) - 1, len(PROMPTS[1]) - 1]  # the last is read as it drafts
+    while decoder.rows:
+        for key, event in decoder.step().items():
+            out[key] += event.tokens
+    plain = rounds.index(2)  # the plain rounds before the first that drafted
+    assert plain >= 5 and [t for t, _ in reads[2:]] == [2 * plain] and all(s > 0 for _, s in reads)
+    assert 2 * plain in unread  # asked with what its drafter had not read
+    for key in (0, 1):
+        assert out[key] == alone(target, PROMPTS[key], 12), key
+
+
 def test_self_speculation_is_refused(target):
     from mlx_spec.drafters.layerskip import LayerSkip
 
@@ -249,7 +287,7 @@ def test_plain_rounds_tell_the_policy_whether_each_guess_would_have_been_kept(mo
         real_record(self, keys, ks, accepted, seconds, steady, odds)
 
     monkeypatch.setattr(Policy, "record", record)
-    def choose(self, keys, drafters, rooms, empty=None):
+    def choose(self, keys, drafters, rooms, empty=None, unread=None):
         self.last = Decision(0, "plain rounds only")
         return [0] * len(keys)
 

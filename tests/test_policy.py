@@ -39,14 +39,17 @@ def best_fixed(curve: dict, alpha: float, draft_ms: float, most: int = 8) -> tup
 def simulate(curve: dict, alpha: float, draft_ms: float, rows: int = 1, rounds: int = 400, seed: int = 0,
              switch_ms: float = 0.0, policy: Policy | None = None, drafter=None):
     """`rounds` rounds of `rows` rows whose drafts are each kept with probability `alpha`, at the curve's
-    costs (and `switch_ms` more for a drafting round after plain ones). Returns (throughput over plain
-    decoding's, share of rounds that drafted, the K chosen each round)."""
+    costs (and `switch_ms` more for a drafting round after plain ones: its drafter reads the tokens they
+    committed, as the decoder tells the policy). Returns (throughput over plain decoding's, share of rounds
+    that drafted, the K chosen each round)."""
     policy, drafter = policy or Policy(), drafter or draft_model()
     rng, keys = random.Random(seed), list(range(rows))
     tokens = ms = 0.0
-    chosen, before = [], 0
+    chosen, before, unread = [], 0, 0
     for _ in range(rounds):
-        ks = policy.choose(keys, [drafter] * rows, [100] * rows)
+        ks = policy.choose(keys, [drafter] * rows, [100] * rows, unread=[unread] * rows)
+        if any(ks) and unread and switch_ms:
+            policy.read(unread * rows, switch_ms / 1e3)
         k = max(ks)
         kept = []
         for row_k in ks:
@@ -55,7 +58,8 @@ def simulate(curve: dict, alpha: float, draft_ms: float, rows: int = 1, rounds: 
                 n += 1
             kept.append(n)
         spent = curve[k + 1] + k * draft_ms + (switch_ms if k and not before else 0.0)
-        policy.record(keys, ks, kept, spent / 1e3)
+        policy.record(keys, ks, kept, (spent - (switch_ms if k and not before else 0.0)) / 1e3)
+        unread = 0 if k else unread + 1
         tokens += rows + sum(kept)
         ms += spent
         chosen.append(k)
@@ -212,6 +216,19 @@ def test_two_rounds_at_a_k_stand_over_the_line_between_its_neighbours():
     assert c.curve(1)[1] == pytest.approx(0.061)
     c.times[1].popleft()
     assert c.curve(1)[1] == pytest.approx(0.024 + (0.070 - 0.024) / 3)
+
+
+def test_a_length_never_run_is_tried_where_it_promises_the_margin_to_start():
+    """Drafting, at a K never run that the line between two run says breaks even (1.03x plain decoding) while K=1, run,
+    pays 1.4x: the line's figure is a guess, like a start's, so K=1 goes on; promising 1.14x, it is tried once (a dip
+    where tiles fall). EAGLE-3 on the demo at four rows, T=1, tried every length it had not run this way, each costing
+    4-5 plain rounds for about two tokens a row (0.90x plain decoding)."""
+    for t4, tried in ((0.240, False), (0.200, True)):
+        policy = Policy(k_max=4)  # K=3 reads (0.1505 + t4) / 2: 1.03x, and 1.14x
+        policy.costs[1] = Costs(times={0: deque([0.1] * 8), 1: deque([0.14] * 3), 2: deque([0.1505] * 3),
+                                       4: deque([t4] * 3)}, drafting=True)
+        policy.rows[0] = Acceptance(accepted=[100.0, 0.0], reached=[100.0, 100.0])  # the first kept, never the second
+        assert policy.choose([0], [draft_model()], [100]) == [3 if tried else 1], t4
 
 
 def test_a_row_whose_first_drafts_are_kept_weighs_its_second_by_them_over_the_pool():
@@ -396,17 +413,32 @@ def test_a_batch_size_met_first_weighs_what_it_borrows_by_its_own_rounds():
     assert drafting <= 0.02 and speed > 0.9, (drafting, speed)
 
 
-def test_a_first_round_before_any_plain_one_is_not_read_as_a_free_switch():
-    """The first round drafts before a plain round is timed: what it cost beyond its K is not known, so it
-    sets nothing of what probes weigh. At 8k tokens of context (the demo widened to 0.2B on the CPU: a
-    verification of 2 tokens costs 1.5 plain steps, each more 0.3), where no K pays, probes then cost
-    about EXPLORE; read as a free switch, the first ones came every few rounds."""
+def test_a_first_round_before_any_plain_one_spaces_the_probes_by_what_it_cost():
+    """The first round drafts before a plain round is timed, on what is assumed. At 8k tokens of context (the demo
+    widened to 0.2B on the CPU: a verification of 2 tokens costs 1.5 plain steps, each more 0.3), where no K pays,
+    probes then cost about EXPLORE (read as a free switch, that first round had them come every few rounds)."""
     long = {1: 193, 2: 293, **{s: 293 + 57 * (s - 2) for s in range(3, 18)}}
     policy = Policy()
     policy.record([0], [3], [0], 0.47)  # the first round: 2.4 plain steps
-    assert policy.costs[1].switch is None
     speed, drafting, _ = simulate(long, 0.1, 15.0, rounds=1000, policy=policy)
     assert speed > 1 - 1.5 * EXPLORE and drafting < 0.02, (speed, drafting)
+
+
+def test_drafting_again_weighs_what_its_drafter_reads_first():
+    """Four rows whose drafts pay about 1.9x at their best K (CPU curve, alpha 0.8), decoding plainly: drafting
+    again first has their drafters read the tokens the plain rounds committed, at what a token read has cost
+    (1 ms, as a prompt was read). A hundred missed rounds a row (0.4 s) outweigh what drafting gains; five do not."""
+    import copy
+
+    policy, keys, rows = Policy(), list(range(4)), [draft_model()] * 4
+    simulate(CPU[4], 0.8, 3.0, rows=4, rounds=60, policy=policy)
+    assert policy.last.k > 0
+    policy.record(keys, [0] * 4, [0] * 4, CPU[4][1] / 1e3)  # a plain round: drafting again is a switch
+    policy.read(100, 0.1)  # a prompt read
+    policy.record(keys, [0] * 4, [0] * 4, CPU[4][1] / 1e3)
+    for missed, drafts in ((5, True), (100, False)):
+        ks = copy.deepcopy(policy).choose(keys, rows, [100] * 4, unread=[missed] * 4)
+        assert any(ks) == drafts, (missed, ks)
 
 
 def test_a_plain_choice_for_a_row_that_guesses_stands_no_longer_than_deciding_costs():

@@ -244,10 +244,13 @@ class Drafter(ABC):
         unchanged: a plain round then tells how likely that draft was to be accepted."""
         return None
 
-    def catch_up(self, contexts: list[list[int]]) -> None:
+    def catch_up(self, contexts: list[list[int]]) -> int:
         """Run what the rows have committed and not yet read (a prompt's features), so that the next
-        `propose` drafts at once. A row joining a batch does this alone, as its prompt is read: in a round,
-        its prompt would be padded into every other row's forward."""
+        `propose` drafts at once; returns how many tokens (positions, all rows together) it read. A row
+        joining a batch does this alone, as its prompt is read: in a round, its prompt would be padded into
+        every other row's forward. The decoder also calls it before drafting after plain rounds: each call,
+        timed apart, tells the policy what a token read costs (what drafting again is weighed by)."""
+        return 0
 
     def commit(self, b: int, context: list[int], features: tuple[mx.array, ...] = ()) -> None:
         """Row b's target accepted up to the end of `context`; drop stale state.

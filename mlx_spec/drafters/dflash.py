@@ -331,11 +331,12 @@ class DFlash(RowStates):
         self.pending = [[] for _ in self.pending]
         return ctx, new
 
-    def catch_up(self, contexts: list[list[int]]) -> None:
+    def catch_up(self, contexts: list[list[int]]) -> int:
         ctx, new = self._pending()
         if ctx is not None:
             self.net.read(ctx, self.cache, new)
             mx.eval([c.state for c in self.cache])
+        return sum(new or ())
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         ctx, new = self._pending()

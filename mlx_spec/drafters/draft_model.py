@@ -123,11 +123,12 @@ class DraftModel(RowStates):
         """The model over `feed` `[B, S]`, row b's tokens from position `held[b]` on -> logits `[B, S, V]`."""
         return self.model(feed, self.cache)[0]
 
-    def catch_up(self, contexts: list[list[int]]) -> None:
+    def catch_up(self, contexts: list[list[int]]) -> int:
         new = [c[len(held) : len(c) - 1] for c, held in zip(contexts, self.cached)]  # `propose` feeds the last
         if any(new):
             self._read(new)
             mx.eval([c.state for c in self.cache])
+        return sum(map(len, new))
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         K = max(ks)

@@ -284,9 +284,11 @@ class Eagle(RowStates):
         if features:
             self.pending[b].append(features)
 
-    def catch_up(self, contexts: list[list[int]]) -> None:
+    def catch_up(self, contexts: list[list[int]]) -> int:
+        read = sum(f[0].shape[1] for pending in self.pending for f in pending)  # features [1, m, H] a round
         self._extend(contexts)
         mx.eval(self.cache[0].state, [a for a in self.ahead if a is not None])
+        return read
 
     def _extend(self, contexts: list[list[int]]) -> None:
         """Run each row's committed slots over the features that came since its last round (one forward, or

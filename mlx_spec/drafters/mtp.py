@@ -218,10 +218,12 @@ class MTP(RowStates):
             cache.cut(b, start + m)
         return [x[b : b + 1, :m] if m else None for b, m in enumerate(n)]
 
-    def catch_up(self, contexts: list[list[int]]) -> None:
+    def catch_up(self, contexts: list[list[int]]) -> int:
+        before = sum(row[0] for row in self.committed)  # the first module's slots
         self._extend(contexts)
         mx.eval([c.state for c in self.cache], [a for a in self.ahead if a is not None],
                 [part for row in self.inputs for parts in row for part in parts])
+        return sum(row[0] for row in self.committed) - before
 
     def _extend(self, contexts: list[list[int]]) -> None:
         """Run every module over each row's newly committed slots; module k (0-based)

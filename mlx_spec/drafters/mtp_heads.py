@@ -120,9 +120,11 @@ class MTPHeadsDrafter(RowStates):
                     self.pending[b][i] = []
                     self.last[b][i] = out[b, count - 1]
 
-    def catch_up(self, contexts: list[list[int]]) -> None:
+    def catch_up(self, contexts: list[list[int]]) -> int:
+        read = sum(part.shape[1] for pending in self.pending for part in pending[0])  # the first head's trunk states
         self._read([len(self.heads.heads)] * len(contexts))
         mx.eval([c.state for c in self.caches], [s for last in self.last for s in last if s is not None])
+        return read
 
     def propose(self, contexts: list[list[int]], ks: list[int], params: list[SamplingParams]) -> list[Draft]:
         n = len(self.heads.heads)
