@@ -188,9 +188,9 @@ class Decoder:
             return self._plain_step(guesses, empty, why)
         self._unqueue()
         starts = list(self.cache[0].lengths)  # each row's pending token goes here (self-speculation drafts past it)
-        groups = {id(d): (d, sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is d))
-                  for d in (r.drafter for r in rows if r.drafter is not None)}  # each drafter, its rows by slot
-        groups = [(d, m) for d, m in groups.values() if max(ks[b] for _, b in m)]  # the others: a plain round
+        groups = [(d, sorted((r.slot, b) for b, r in enumerate(rows) if r.drafter is d))  # each drafter, its rows
+                  for d in {id(r.drafter): r.drafter for r in rows if r.drafter is not None}.values()]  # by slot
+        groups = [(d, m) for d, m in groups if max(ks[b] for _, b in m)]  # the others: a plain round for their rows
         for drafter, members in groups:
             if any(rows[b].unread for _, b in members):  # plain rounds came before: it reads what they committed first
                 self._catch_up(drafter, [rows[b].context for _, b in members])
